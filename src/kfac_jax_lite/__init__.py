@@ -1,0 +1,23 @@
+"""kfac_jax_lite: Kronecker-factored curvature for JAX, as pure functions.
+
+Layers (see ``DESIGN``): the math core (``factor``), the curvature blocks
+(``blocks``), and — built on them — tagging, estimators and the optax
+transforms.
+"""
+from kfac_jax_lite import blocks
+from kfac_jax_lite.blocks import (
+    DiagonalConv, DiagonalDense, Full, KroneckerConv, KroneckerDense,
+    KroneckerEmbedding, KroneckerState, NaiveDiagonal, ScaleAndShift)
+from kfac_jax_lite.factor import (
+    FactorState, damped_cholesky, damped_matpower, factor_value, init_factor,
+    multiply, multiply_inverse, multiply_matpower, refresh_cache, update_cov)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DiagonalConv", "DiagonalDense", "FactorState", "Full", "KroneckerConv",
+    "KroneckerDense", "KroneckerEmbedding", "KroneckerState", "NaiveDiagonal",
+    "ScaleAndShift", "blocks", "damped_cholesky", "damped_matpower",
+    "factor_value", "init_factor", "multiply", "multiply_inverse",
+    "multiply_matpower", "refresh_cache", "update_cov",
+]

@@ -1,0 +1,224 @@
+"""The interface every curvature block implements, and its two families.
+
+A block is a frozen (hashable) dataclass holding static configuration only;
+its state is a pytree of ``FactorState``s and every method is a pure
+function of its arguments, so blocks go through ``jit`` as static data and
+states go through it as arrays. Parameter "vectors" ``v`` are tuples of
+arrays shaped like the block's ``param_shapes``; ``to_dense`` indexes its
+rows and columns like the concatenation of those arrays, raveled.
+
+Methods (``damping`` λ, ``exp`` p, ``F`` the block's curvature):
+
+* ``init(dtype)`` — a state with no statistics.
+* ``compute_stats(...)`` — fresh statistics from one batch (kind-specific
+  arguments, documented on each block); a pytree shaped like the factors,
+  so it can be ``pmean``-ed across devices before ``update``.
+* ``update(state, stats, decay, weight=1.0)`` — zero-debiased EMA; if any
+  statistic is non-finite no factor changes (their ``num_skipped`` count it).
+* ``refresh(state, damping, exp=-1.0, step=0)`` — cache decompositions.
+* ``multiply(state, v)`` — ``F v``.
+* ``multiply_matpower(state, v, damping, exp, use_cache=False)`` —
+  ``(F + λI)^p v`` under the block's damping approximation.
+* ``multiply_inverse(state, v, damping, use_cache=False)`` — ``p = -1``.
+* ``multiply_cholesky(state, v, damping, transpose=False)`` and
+  ``multiply_cholesky_inverse(...)`` — ``L v``, ``Lᵀ v``, ``L⁻¹ v``,
+  ``L⁻ᵀ v`` for a square-root factor ``L Lᵀ`` of the damped block.
+* ``to_dense(state)`` — ``F`` as an explicit matrix.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_lite import _kron
+from kfac_jax_lite import factor as fac
+from kfac_jax_lite.blocks import _layout
+
+
+def state_bytes(block) -> int:
+  """Bytes of the block's state (float32 factors)."""
+  shapes = jax.eval_shape(block.init)
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def normalized_weights(weights, n, dtype):
+  """``(c, w)``: loss coefficients ``c_i`` (default 1/N) and ``w = c / Σc``."""
+  c = jnp.full((n,), 1.0 / n, dtype) if weights is None else jnp.asarray(
+      weights, dtype)
+  if c.shape != (n,):
+    raise ValueError(f"weights of shape {c.shape} do not match a batch of {n}")
+  total = jnp.sum(c)
+  return c, c / jnp.where(total != 0, total, 1)
+
+
+def stats_dtype(*arrays):
+  """Statistics are at least float32 (bf16/fp16 activations included)."""
+  return jnp.result_type(jnp.float32, *[
+      a.dtype for a in arrays if jnp.issubdtype(a.dtype, jnp.floating)])
+
+
+def split_samples(cotangents, expected_ndim, where):
+  """``cotangents`` as ``[S, ...]``: a leading samples axis is optional."""
+  if cotangents.ndim == expected_ndim:
+    return cotangents[None]
+  if cotangents.ndim == expected_ndim + 1:
+    return cotangents
+  raise ValueError(f"{where}: cotangents of shape {cotangents.shape} should "
+                   f"have {expected_ndim} axes (or one more for samples)")
+
+
+class KroneckerBlock:
+  """``F = c · blockdiag_g(A_g ⊗ G_g)`` over the layout's ``[g, a, b]`` view.
+
+  Subclasses provide ``layout``, ``damping_mode``, ``renorm_coeff`` and
+  ``compute_stats``; ``input_diagonal`` says the input factor is diagonal.
+  """
+
+  input_diagonal = False
+
+  @property
+  def param_shapes(self):
+    return self.layout.param_shapes
+
+  @property
+  def factor_shapes(self):
+    """Shapes of the input and output factors (leading axis: groups)."""
+    lay, g = self.layout, self.layout.groups
+    a = (g, lay.a) if self.input_diagonal else (g, lay.a, lay.a)
+    return a, (g, lay.b, lay.b)
+
+  def init(self, dtype=jnp.float32) -> _kron.KroneckerState:
+    lay = self.layout
+    return _kron.KroneckerState(
+        a=fac.init_factor(lay.a, diagonal=self.input_diagonal,
+                          batch_shape=(lay.groups,), dtype=dtype),
+        g=fac.init_factor(lay.b, batch_shape=(lay.groups,), dtype=dtype))
+
+  def update(self, state, stats, decay, weight=1.0):
+    ok = fac.all_finite(stats)
+    return _kron.KroneckerState(
+        a=fac.update_cov_if(state.a, stats.a, decay, weight, ok),
+        g=fac.update_cov_if(state.g, stats.g, decay, weight, ok))
+
+  def refresh(self, state, damping, exp=-1.0, step=0):
+    return _kron.refresh(state, damping, exp, self.damping_mode,
+                         self.renorm_coeff, step)
+
+  def _mat(self, v):
+    _layout.check_params(self, v, self.param_shapes)
+    return self.layout.to_mat(tuple(v))
+
+  def _out(self, m, dtypes):
+    return tuple(x.astype(d) for x, d in zip(self.layout.from_mat(m), dtypes))
+
+  def _apply(self, v, fn):
+    dtypes = [jnp.asarray(x).dtype for x in v]
+    m = self._mat(v)
+    return self._out(fn(m.astype(jnp.result_type(m.dtype, jnp.float32))), dtypes)
+
+  def multiply(self, state, v):
+    return self._apply(v, lambda m: _kron.multiply(state, m, self.renorm_coeff))
+
+  def multiply_matpower(self, state, v, damping, exp, use_cache=False):
+    return self._apply(v, lambda m: _kron.matpower(
+        state, m, damping, exp, self.damping_mode, self.renorm_coeff, use_cache))
+
+  def multiply_inverse(self, state, v, damping, use_cache=False):
+    return self.multiply_matpower(state, v, damping, -1.0, use_cache)
+
+  def multiply_cholesky(self, state, v, damping, transpose=False):
+    return self._apply(v, lambda m: _kron.cholesky(
+        state, m, damping, self.damping_mode, self.renorm_coeff,
+        transpose=transpose))
+
+  def multiply_cholesky_inverse(self, state, v, damping, transpose=False):
+    return self._apply(v, lambda m: _kron.cholesky(
+        state, m, damping, self.damping_mode, self.renorm_coeff,
+        inverse=True, transpose=transpose))
+
+  def to_dense(self, state):
+    canon = _kron.to_dense(state, self.renorm_coeff)
+    idx = self.layout.to_mat(_layout.param_index(self.param_shapes)).ravel()
+    return jnp.zeros_like(canon).at[idx[:, None], idx[None, :]].set(canon)
+
+  def state_bytes(self):
+    return state_bytes(self)
+
+  def check_damping_mode(self):
+    _kron.check_damping_mode(self.damping_mode, type(self).__name__)
+    if not self.renorm_coeff > 0:
+      raise ValueError(f"{type(self).__name__}: renorm_coeff must be > 0, "
+                       f"got {self.renorm_coeff}")
+
+
+class FlatBlock:
+  """A block over the flat parameter vector: a diagonal or a full matrix.
+
+  Subclasses provide ``param_shapes``, ``diagonal`` and ``compute_stats``
+  returning the new diagonal ``[n]`` or matrix ``[n, n]``.
+  """
+
+  @property
+  def size(self):
+    return sum(math.prod(s) for s in self.param_shapes)
+
+  @property
+  def factor_shapes(self):
+    return ((self.size,) if self.diagonal else (self.size, self.size),)
+
+  def init(self, dtype=jnp.float32) -> fac.FactorState:
+    return fac.init_factor(self.size, diagonal=self.diagonal, dtype=dtype)
+
+  def update(self, state, stats, decay, weight=1.0):
+    return fac.update_cov(state, stats, decay, weight)
+
+  def refresh(self, state, damping, exp=-1.0, step=0):
+    return fac.refresh_cache(state, step, damping=damping, exp=exp)
+
+  def _apply(self, v, fn):
+    _layout.check_params(self, v, self.param_shapes)
+    dtypes = [jnp.asarray(x).dtype for x in v]
+    flat = _layout.flatten(v)
+    out = fn(flat.astype(jnp.result_type(flat.dtype, jnp.float32)))
+    return tuple(x.astype(d) for x, d in zip(
+        _layout.unflatten(out, self.param_shapes), dtypes))
+
+  def multiply(self, state, v):
+    return self._apply(v, lambda x: fac.multiply(state, x))
+
+  def multiply_matpower(self, state, v, damping, exp, use_cache=False):
+    if use_cache:  # The cache holds the damped power chosen at refresh.
+      return self._apply(v, lambda x: fac._apply(
+          state.matpower, x, self.diagonal))
+    return self._apply(v, lambda x: fac.multiply_matpower(state, x, damping, exp))
+
+  def multiply_inverse(self, state, v, damping, use_cache=False):
+    if use_cache:
+      return self.multiply_matpower(state, v, damping, -1.0, use_cache=True)
+    return self._apply(v, lambda x: fac.multiply_inverse(state, x, damping))
+
+  def _cholesky(self, state, v, damping, inverse, transpose):
+    def fn(x):
+      chol = fac.damped_cholesky(state, damping)
+      if self.diagonal:
+        return x / chol if inverse else x * chol
+      if inverse:
+        return jax.scipy.linalg.solve_triangular(
+            chol, x, lower=True, trans=1 if transpose else 0)
+      return (chol.T if transpose else chol) @ x
+    return self._apply(v, fn)
+
+  def multiply_cholesky(self, state, v, damping, transpose=False):
+    return self._cholesky(state, v, damping, False, transpose)
+
+  def multiply_cholesky_inverse(self, state, v, damping, transpose=False):
+    return self._cholesky(state, v, damping, True, transpose)
+
+  def to_dense(self, state):
+    value = fac.factor_value(state)
+    return jnp.diag(value) if self.diagonal else value
+
+  def state_bytes(self):
+    return state_bytes(self)

@@ -1,0 +1,159 @@
+"""Kronecker-factored convolutions (KFC, Grosse & Martens 2016).
+
+A convolution is a dense layer applied at every output location ``t`` to
+the input patch ``ā_it`` (raveled receptive field, plus 1 for the bias).
+Under KFC's assumptions (spatially homogeneous, uncorrelated derivatives)
+
+    A = Σ_i w_i (1/T) Σ_t ā_it ā_itᵀ,   G = Σ_i c_i Σ_t g_it g_itᵀ,
+    F ≈ c · A ⊗ G,
+
+i.e. the ``"expand"`` rule of the dense block with the T locations as the
+shared axis: the number of locations (TF K-FAC's ``renorm_coeff``) is folded
+into ``G``, so a convolution with one output location is exactly the dense
+block of the same weights. Feature groups (``feature_group_count``, with
+depthwise as the extreme case) give one Kronecker product per group: the
+group's input channels times its output channels.
+
+Any rank (1D, 2D, 3D...), dimension numbers, strides, padding and
+dilations are supported: patches come from ``lax.conv_general_dilated_patches``
+with the layer's own window.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kfac_jax_lite.blocks import _layout
+from kfac_jax_lite.blocks import base
+from kfac_jax_lite.blocks import dense
+
+
+def _conv_dims(dimension_numbers, ndim):
+  if dimension_numbers is None:
+    return lax.ConvDimensionNumbers(
+        tuple(range(ndim)), tuple(range(ndim)), tuple(range(ndim)))
+  if isinstance(dimension_numbers, lax.ConvDimensionNumbers):
+    return dimension_numbers
+  # (lhs_spec, rhs_spec, out_spec) strings like ("NHWC", "HWIO", "NHWC").
+  shape = (1,) * ndim
+  return lax.conv_dimension_numbers(shape, shape, tuple(dimension_numbers))
+
+
+def _freeze(x):
+  if isinstance(x, str) or x is None:
+    return x
+  return tuple(_freeze(v) if isinstance(v, (list, tuple)) else int(v) for v in x)
+
+
+def conv_data(block, inputs, cotangents, weights):
+  """Per-example patches and cotangents of a convolution, per group.
+
+  Returns ``(a [N, T, g, P(+1)], g [S, N, T, g, b], c, w)``.
+  """
+  lay, dn, where = block.layout, block.dims, repr(block)
+  inputs, cotangents = jnp.asarray(inputs), jnp.asarray(cotangents)
+  nsp = len(lay.spatial)
+  if inputs.ndim != nsp + 2:
+    raise ValueError(f"{where}: inputs of shape {inputs.shape} should have "
+                     f"{nsp + 2} axes")
+  channels = inputs.shape[dn.lhs_spec[1]]
+  if channels != lay.in_per_group * lay.groups:
+    raise ValueError(f"{where}: inputs of shape {inputs.shape} have "
+                     f"{channels} channels, the kernel expects "
+                     f"{lay.in_per_group * lay.groups}")
+  dtype = base.stats_dtype(inputs, cotangents)
+  x = jnp.transpose(inputs, dn.lhs_spec).astype(dtype)  # N, C, *spatial
+  patches = lax.conv_general_dilated_patches(
+      x, lay.spatial, block.window_strides, block.padding,
+      lhs_dilation=block.lhs_dilation, rhs_dilation=block.rhs_dilation,
+      precision=lax.Precision.HIGHEST)  # N, C·K, *out_spatial; (c, k) order
+  n = x.shape[0]
+  k = math.prod(lay.spatial)
+  patches = patches.reshape(n, lay.groups, lay.in_per_group, k, -1)
+  a = jnp.transpose(patches, (0, 4, 1, 3, 2))  # N, T, g, K, I_g
+  t = a.shape[1]
+  a = a.reshape(n, t, lay.groups, lay.patch_size)
+  if lay.has_bias:
+    a = jnp.concatenate([a, jnp.ones(a.shape[:-1] + (1,), dtype)], axis=-1)
+  g = base.split_samples(cotangents, nsp + 2, where)
+  g = jnp.moveaxis(g, [1 + i for i in dn.out_spec], range(1, nsp + 3))
+  if g.shape[1] != n or g.shape[2] != lay.out_features or math.prod(
+      g.shape[3:]) != t:
+    raise ValueError(f"{where}: cotangents of shape {cotangents.shape} do "
+                     f"not match the convolution's output ({n} examples, "
+                     f"{lay.out_features} features, {t} locations)")
+  g = jnp.moveaxis(g.reshape(g.shape[0], n, lay.out_features, t), 2, 3)
+  g = g.reshape(g.shape[0], n, t, lay.groups, lay.b).astype(dtype)
+  c, w = base.normalized_weights(weights, n, dtype)
+  return a, g, c, w
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvConfig:
+  """The convolution's static window, as given to ``conv_general_dilated``."""
+
+  kernel_shape: tuple
+  window_strides: tuple = None
+  padding: object = "VALID"
+  lhs_dilation: tuple = None
+  rhs_dilation: tuple = None
+  dimension_numbers: object = None
+  feature_group_count: int = 1
+  has_bias: bool = False
+
+  def _setup(self):
+    set_ = lambda k, v: object.__setattr__(self, k, v)
+    set_("kernel_shape", tuple(int(s) for s in self.kernel_shape))
+    nsp = len(self.kernel_shape) - 2
+    set_("window_strides", _freeze(self.window_strides) or (1,) * nsp)
+    set_("padding", _freeze(self.padding))
+    set_("lhs_dilation", _freeze(self.lhs_dilation) or (1,) * nsp)
+    set_("rhs_dilation", _freeze(self.rhs_dilation) or (1,) * nsp)
+    dn = _conv_dims(self.dimension_numbers, nsp + 2)
+    set_("dimension_numbers", lax.ConvDimensionNumbers(
+        *(tuple(int(i) for i in spec) for spec in dn)))
+    out = self.kernel_shape[self.dimension_numbers.rhs_spec[0]]
+    if self.feature_group_count < 1 or out % self.feature_group_count:
+      raise ValueError(f"{type(self).__name__}: {out} output features do not "
+                       f"split into {self.feature_group_count} groups")
+
+  @property
+  def dims(self):
+    return self.dimension_numbers
+
+  @property
+  def layout(self):
+    return _layout.ConvLayout(self.kernel_shape, self.dims.rhs_spec,
+                              self.feature_group_count, self.has_bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class KroneckerConv(ConvConfig, base.KroneckerBlock):
+  """KFC block of a convolution; see the module docstring.
+
+  Arguments mirror ``lax.conv_general_dilated`` (``dimension_numbers`` as a
+  ``ConvDimensionNumbers``, a ``(lhs, rhs, out)`` string triple, or None
+  for NCHW/OIHW); ``batch_group_count`` other than 1 is not supported.
+  Parameters: ``(kernel,)`` or ``(kernel, bias)`` with ``bias [out]``.
+  """
+
+  damping_mode: str = "pi"
+  renorm_coeff: float = 1.0
+
+  def __post_init__(self):
+    self._setup()
+    self.check_damping_mode()
+
+  def compute_stats(self, inputs, cotangents, weights=None):
+    """Statistics from the conv input (its own layout) and the cotangent of
+    the conv output (its own layout, optionally with a leading samples axis)."""
+    a, g, c, w = conv_data(self, inputs, cotangents, weights)
+    # Each group is a dense layer over (examples × locations); "expand".
+    per_group = jax.vmap(
+        lambda ai, gi: dense.kronecker_stats(ai, gi, c, w, "expand"),
+        in_axes=(2, 3))(a, g)
+    return jax.tree.map(lambda x: x[:, 0], per_group)

@@ -1,0 +1,128 @@
+"""Kronecker-factored dense layers (K-FAC, Martens & Grosse 2015).
+
+For ``y = x · W + b`` with ``L = Σ_i c_i ℓ_i`` and ``w_i = c_i / Σ_j c_j``:
+
+    A = Σ_i w_i ā_i ā_iᵀ,   ā_i = [x_i, 1]   (the bias acts as an input of 1)
+    G = Σ_i c_i E[g_i g_iᵀ], g_i = ∂ℓ_i/∂y_i
+    F ≈ c · A ⊗ G            (c: the static ``renorm_coeff``, default 1)
+
+so for one example ``A ⊗ G`` is that example's exact curvature block.
+
+Weight sharing (the layer applied at R positions of each example, e.g. a
+sequence axis; Eschenhagen et al. 2023):
+
+* ``"expand"`` — positions are extra examples for the statistics:
+  ``A = Σ_i w_i (1/R) Σ_r ā_ir ā_irᵀ`` and ``G = Σ_i c_i Σ_r g_ir g_irᵀ``
+  (the input factor averages, the output factor sums over positions, like
+  KFC's convolutions: this is TF K-FAC's ``num_locations`` renormalisation
+  folded into ``G``).
+* ``"reduce"`` — positions are aggregated first: ``A = Σ_i w_i ã_i ã_iᵀ``
+  with ``ã_i = (1/R) Σ_r ā_ir`` and ``G = Σ_i c_i ĝ_i ĝ_iᵀ`` with
+  ``ĝ_i = Σ_r g_ir``.
+
+Both are exact when R = 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from kfac_jax_lite import _kron
+from kfac_jax_lite.blocks import _layout
+from kfac_jax_lite.blocks import base
+
+WEIGHT_SHARING = ("expand", "reduce")
+
+
+def dense_data(layout, inputs, cotangents, weights, where):
+  """Per-example data of a dense layer, flattened for the statistics.
+
+  Returns ``(a [N, R, a], g [S, N, R, b], c [N], w [N])`` with the bias
+  column of ones appended to ``a`` when the layer has a bias.
+  """
+  inputs = jnp.asarray(inputs)
+  cotangents = jnp.asarray(cotangents)
+  n_in, n_out = len(layout.in_dims), len(layout.out_dims)
+  if inputs.ndim < 1 + n_in or tuple(inputs.shape[inputs.ndim - n_in:]) != layout.in_dims:
+    raise ValueError(f"{where}: inputs of shape {inputs.shape} do not end in "
+                     f"the kernel's input dims {layout.in_dims}")
+  shared = inputs.shape[1:inputs.ndim - n_in]
+  expected = (inputs.shape[0],) + tuple(shared) + layout.out_dims
+  g = base.split_samples(cotangents, len(expected), where)
+  if tuple(g.shape[1:]) != expected:
+    raise ValueError(f"{where}: cotangents of shape {cotangents.shape} do "
+                     f"not match the expected output shape {expected}")
+  dtype = base.stats_dtype(inputs, cotangents)
+  n, r = inputs.shape[0], math.prod(shared)
+  a = inputs.reshape(n, r, -1).astype(dtype)
+  if layout.has_bias:
+    a = jnp.concatenate([a, jnp.ones((n, r, 1), dtype)], axis=-1)
+  g = g.reshape(g.shape[0], n, r, -1).astype(dtype)
+  c, w = base.normalized_weights(weights, n, dtype)
+  return a, g, c, w
+
+
+def input_stats(a, w, weight_sharing):
+  """The input factor ``A`` [a, a] from ``a [N, R, a]`` and weights ``w``."""
+  if weight_sharing == "expand":
+    return jnp.einsum("nri,nrj->ij", a * w[:, None, None], a) / a.shape[1]
+  a_bar = a.mean(axis=1)
+  return jnp.einsum("ni,nj->ij", a_bar * w[:, None], a_bar)
+
+
+def output_stats(g, c, weight_sharing):
+  """The output factor ``G`` [b, b] from ``g [S, N, R, b]`` and ``c``."""
+  if weight_sharing == "expand":
+    return jnp.einsum("snri,snrj->ij", g * c[:, None, None], g) / g.shape[0]
+  g_hat = g.sum(axis=2)
+  return jnp.einsum("sni,snj->ij", g_hat * c[:, None], g_hat) / g.shape[0]
+
+
+def kronecker_stats(a, g, c, w, weight_sharing):
+  """``KroneckerState``-shaped statistics ``(A [1, a, a], G [1, b, b])``."""
+  return _kron.KroneckerState(a=input_stats(a, w, weight_sharing)[None],
+                              g=output_stats(g, c, weight_sharing)[None])
+
+
+def check_weight_sharing(mode, where):
+  if mode not in WEIGHT_SHARING:
+    raise ValueError(f"{where}: weight_sharing must be one of "
+                     f"{WEIGHT_SHARING}, got {mode!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KroneckerDense(base.KroneckerBlock):
+  """Kronecker block of a dense layer; see the module docstring.
+
+  ``kernel_shape``: the kernel as stored; ``in_axes``: its axes contracted
+  with the input (``(0,)`` for ``x @ W``, ``(1,)`` for ``x @ W.T``, several
+  for einsum forms); the other axes are outputs, and the bias (if any) is
+  shaped like them. Parameters: ``(kernel,)`` or ``(kernel, bias)``.
+  """
+
+  kernel_shape: tuple
+  in_axes: tuple = (0,)
+  has_bias: bool = False
+  damping_mode: str = "pi"
+  weight_sharing: str = "expand"
+  renorm_coeff: float = 1.0
+
+  def __post_init__(self):
+    object.__setattr__(self, "kernel_shape", tuple(self.kernel_shape))
+    object.__setattr__(self, "in_axes", tuple(self.in_axes))
+    self.check_damping_mode()
+    check_weight_sharing(self.weight_sharing, type(self).__name__)
+    self.layout  # Validates the axes.
+
+  @property
+  def layout(self):
+    return _layout.DenseLayout(self.kernel_shape, self.in_axes, self.has_bias)
+
+  def compute_stats(self, inputs, cotangents, weights=None):
+    """Statistics from inputs ``[N, *shared, *in_dims]`` and cotangents
+    ``[(S,) N, *shared, *out_dims]`` (``∂ℓ_i/∂y``, S sampled targets)."""
+    return kronecker_stats(
+        *dense_data(self.layout, inputs, cotangents, weights, repr(self)),
+        self.weight_sharing)

@@ -1,0 +1,61 @@
+"""Full and naive-diagonal blocks over a group of parameters.
+
+For fallbacks and small parameter groups: the block is an explicit matrix
+``F = Σ_k α_k γ_k γ_kᵀ`` (``Full``) or its diagonal ``Σ_k α_k γ_k²``
+(``NaiveDiagonal``) over K gradient samples ``γ_k`` with weights ``α_k``
+(default ``1/K``). Two uses:
+
+* per-example gradients of ℓ_i with ``α_i = c_i`` — the exact empirical or
+  sampled curvature of the group;
+* one batch gradient of the mean loss over N examples with ``α = N`` — TF
+  K-FAC's naive estimators ("squared batch gradient"): in expectation over
+  sampled targets ``N·E[γγᵀ] = F`` of the mean loss.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kfac_jax_lite.blocks import base
+
+
+class _GradientBlock(base.FlatBlock):
+
+  def __post_init__(self):
+    object.__setattr__(self, "param_shapes",
+                       tuple(tuple(int(d) for d in s) for s in self.param_shapes))
+
+  def compute_stats(self, grads, weights=None):
+    """From ``grads``: a tuple of arrays ``[K, *param_shape]``."""
+    grads = tuple(jnp.asarray(x) for x in grads)
+    got = tuple(tuple(x.shape[1:]) for x in grads)
+    if got != self.param_shapes or len({x.shape[0] for x in grads}) != 1:
+      raise ValueError(f"{self!r}: expected gradients [K, *shape] for shapes "
+                       f"{self.param_shapes}, got shapes "
+                       f"{tuple(x.shape for x in grads)}")
+    dtype = base.stats_dtype(*grads)
+    k = grads[0].shape[0]
+    u = jnp.concatenate([x.reshape(k, -1).astype(dtype) for x in grads], 1)
+    alpha = (jnp.full((k,), 1.0 / k, dtype) if weights is None
+             else jnp.asarray(weights, dtype) * jnp.ones((k,), dtype))
+    ua = u * alpha[:, None]
+    if self.diagonal:
+      return jnp.einsum("ki,ki->i", ua, u)
+    return jnp.einsum("ki,kj->ij", ua, u)
+
+
+@dataclasses.dataclass(frozen=True)
+class Full(_GradientBlock):
+  """An explicit curvature matrix over the flattened parameters."""
+
+  param_shapes: tuple
+  diagonal = False
+
+
+@dataclasses.dataclass(frozen=True)
+class NaiveDiagonal(_GradientBlock):
+  """A diagonal curvature over the flattened parameters."""
+
+  param_shapes: tuple
+  diagonal = True

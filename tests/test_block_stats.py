@@ -1,0 +1,235 @@
+"""Every block's statistics against brute force from per-example Jacobians."""
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import kfac_jax_lite as kfl
+
+import _brute
+from conftest import x64_mode
+
+
+def rand(key, shape):
+  return np.asarray(jax.random.normal(jax.random.PRNGKey(key), shape), np.float64)
+
+
+def fresh(block, *args, **kwargs):
+  return block.update(block.init(jnp.float64), block.compute_stats(*args, **kwargs), 0.5)
+
+
+@hypothesis.settings(max_examples=10, deadline=None)
+@hypothesis.given(d_in=st.integers(1, 4), d_out=st.integers(1, 4),
+                  n=st.integers(1, 4), r=st.integers(1, 3), s=st.integers(1, 2),
+                  bias=st.booleans(), mode=st.sampled_from(["expand", "reduce"]),
+                  transposed=st.booleans(), seed=st.integers(0, 1000))
+def test_dense_block_equals_jacobian_formula(d_in, d_out, n, r, s, bias, mode,
+                                             transposed, seed):
+  shape = (d_out, d_in) if transposed else (d_in, d_out)
+  params = (rand(seed, shape),) + ((rand(seed + 1, (d_out,)),) if bias else ())
+  xs, cots = rand(seed + 2, (n, r, d_in)), rand(seed + 3, (s, n, r, d_out))
+  c = np.abs(rand(seed + 4, (n,))) + 0.1
+
+  def fn(p, x):
+    y = x @ (p[0].T if transposed else p[0])
+    return y + p[1] if bias else y
+
+  block = kfl.KroneckerDense(shape, in_axes=(1,) if transposed else (0,),
+                             has_bias=bias, weight_sharing=mode)
+  with x64_mode(True):
+    state = fresh(block, xs, cots, c)
+    expected = _brute.kronecker_curvature(
+        _brute.jacobians(fn, params, xs), cots, c, mode)
+    np.testing.assert_allclose(block.to_dense(state), expected, atol=1e-10)
+    if r == 1 and s == 1 and n == 1:  # One example: the exact curvature.
+      grad = _brute.per_example_grads(fn, params, xs, cots)[0, 0]
+      np.testing.assert_allclose(block.to_dense(state),
+                                 c[0] * np.outer(grad, grad), atol=1e-10)
+    diag = kfl.DiagonalDense(shape, in_axes=block.in_axes, has_bias=bias)
+    np.testing.assert_allclose(
+        diag.to_dense(fresh(diag, xs, cots, c)),
+        np.diag(_brute.sum_of_squares(
+            _brute.per_example_grads(fn, params, xs, cots), c)), atol=1e-10)
+
+
+def test_einsum_kernel_with_several_input_and_output_axes():
+  # y[n, t, h, e] = Σ_d x[n, t, d] W[d, h, e]  (an attention projection).
+  params = (rand(0, (3, 2, 2)), rand(1, (2, 2)))
+  xs, cots = rand(2, (2, 4, 3)), rand(3, (2, 4, 2, 2))
+  fn = lambda p, x: (jnp.einsum("td,dhe->the", x, p[0]) + p[1]).reshape(4, 4)
+  block = kfl.KroneckerDense((3, 2, 2), in_axes=(0,), has_bias=True)
+  with x64_mode(True):
+    state = fresh(block, xs, cots)
+    expected = _brute.kronecker_curvature(
+        _brute.jacobians(fn, params, xs), cots.reshape(1, 2, 4, 4))
+    np.testing.assert_allclose(block.to_dense(state), expected, atol=1e-10)
+
+
+CONV_CASES = [
+    # (input shape per example, kernel shape, dimension numbers, kwargs)
+    ((5, 5, 4), (3, 3, 2, 6), ("NHWC", "HWIO", "NHWC"),
+     dict(window_strides=(2, 1), padding=((1, 1), (0, 1)), rhs_dilation=(1, 2),
+          feature_group_count=2)),
+    ((3, 6, 6), (4, 3, 2, 2), ("NCHW", "OIHW", "NCHW"),
+     dict(window_strides=(1, 1), padding=((1, 2), (0, 1)), lhs_dilation=(2, 1))),
+    ((7, 3), (3, 1, 6), ("NWC", "WIO", "NWC"),  # Depthwise 1D, multiplier 2.
+     dict(window_strides=(2,), padding="SAME", feature_group_count=3)),
+    ((4, 4, 3, 2), (2, 2, 2, 2, 3), ("NHWDC", "HWDIO", "NHWDC"),  # 3D.
+     dict(window_strides=(1, 2, 1), padding="VALID")),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CONV_CASES)))
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_blocks_equal_jacobian_formula(case, bias):
+  x_shape, k_shape, dn, kw = CONV_CASES[case]
+  n, s = 2, 2
+  xs = rand(case, (n,) + x_shape)
+  params = (rand(case + 10, k_shape),)
+  dims = lax.conv_dimension_numbers((1,) + x_shape, k_shape, dn)
+  out_features = k_shape[dims.rhs_spec[0]]
+  if bias:
+    params += (rand(case + 20, (out_features,)),)
+
+  def conv(p, x):
+    y = lax.conv_general_dilated(x[None], p[0], dimension_numbers=dims, **kw)[0]
+    if bias:
+      shape = [1] * y.ndim
+      shape[dims.out_spec[1] - 1] = out_features
+      y = y + p[1].reshape(shape)
+    return y
+
+  def fn(p, x):  # [T, O] view for the brute force.
+    y = conv(p, x)
+    spec = [i - 1 for i in dims.out_spec[2:]] + [dims.out_spec[1] - 1]
+    return jnp.transpose(y, spec).reshape(-1, out_features)
+
+  out_shape = jax.eval_shape(conv, params, xs[0]).shape
+  cots = rand(case + 30, (s, n) + out_shape)
+  spec = [i + 1 for i in dims.out_spec[2:]] + [dims.out_spec[1] + 1]
+  cots_to = np.transpose(cots, [0, 1] + spec).reshape(s, n, -1, out_features)
+  c = np.array([0.3, 1.2])
+  common = dict(kernel_shape=k_shape, dimension_numbers=dn, has_bias=bias, **kw)
+  block = kfl.KroneckerConv(**common)
+  with x64_mode(True):
+    state = fresh(block, xs, cots, c)
+    expected = _brute.kronecker_curvature(
+        _brute.jacobians(fn, params, xs), cots_to, c,
+        out_groups=kw.get("feature_group_count", 1))
+    np.testing.assert_allclose(block.to_dense(state), expected, atol=1e-9)
+    diag = kfl.DiagonalConv(**common)
+    grads = _brute.per_example_grads(conv, params, xs, cots)
+    np.testing.assert_allclose(diag.to_dense(fresh(diag, xs, cots, c)),
+                               np.diag(_brute.sum_of_squares(grads, c)),
+                               atol=1e-9)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_with_one_output_location_is_the_dense_block(bias):
+  xs, cots = rand(0, (3, 3, 2, 4)), rand(1, (3, 1, 1, 5))
+  conv = kfl.KroneckerConv((3, 2, 4, 5), dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                           has_bias=bias)
+  dense = kfl.KroneckerDense((3, 2, 4, 5), in_axes=(0, 1, 2), has_bias=bias)
+  with x64_mode(True):
+    np.testing.assert_allclose(
+        conv.to_dense(fresh(conv, xs, cots)),
+        dense.to_dense(fresh(dense, xs, cots.reshape(3, 5))), atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["expand", "reduce"])
+@pytest.mark.parametrize("r", [1, 3])
+def test_embedding_is_dense_on_one_hot_inputs(mode, r):
+  vocab, dim, n = 5, 3, 4
+  ids = np.array(jax.random.randint(jax.random.PRNGKey(r), (n, r), 0, vocab))
+  ids[0, :] = 2  # Repeated ids in one example.
+  cots = rand(7, (n, r, dim))
+  c = np.array([0.1, 0.2, 0.3, 0.4])
+  emb = kfl.KroneckerEmbedding(vocab, dim, weight_sharing=mode)
+  dense = kfl.KroneckerDense((vocab, dim), weight_sharing=mode)
+  with x64_mode(True):
+    e_state = fresh(emb, ids, cots, c)
+    d_state = fresh(dense, jax.nn.one_hot(ids, vocab, dtype=jnp.float64), cots, c)
+    np.testing.assert_allclose(kfl.factor_value(e_state.g),
+                               kfl.factor_value(d_state.g), atol=1e-12)
+    a_dense = kfl.factor_value(d_state.a)[0]
+    if mode == "expand" or r == 1:  # Exact: the one-hot factor is diagonal.
+      np.testing.assert_allclose(np.diag(np.diag(a_dense)), a_dense, atol=1e-12)
+      np.testing.assert_allclose(emb.to_dense(e_state), dense.to_dense(d_state),
+                                 atol=1e-12)
+    else:  # reduce keeps the diagonal of Σ w ã ãᵀ.
+      np.testing.assert_allclose(kfl.factor_value(e_state.a)[0],
+                                 np.diag(a_dense), atol=1e-12)
+    params = (rand(9, (vocab, dim)),)
+    fn = lambda p, i: p[0][i]
+    expected = _brute.kronecker_curvature(
+        _brute.jacobians(fn, params, ids), cots[None], c, mode)
+    if mode == "expand" or r == 1:
+      np.testing.assert_allclose(emb.to_dense(e_state), expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("which", [(True, True), (True, False), (False, True)])
+def test_scale_and_shift_equals_per_example_gradients(full, which):
+  has_scale, has_shift = which
+  xs, cots = rand(0, (3, 4, 5)), rand(1, (2, 3, 4, 5))
+  params = tuple(rand(2 + i, (5,)) for i in range(has_scale + has_shift))
+
+  def fn(p, x):
+    y = x * p[0] if has_scale else x
+    return y + p[-1] if has_shift else y
+
+  block = kfl.ScaleAndShift((5,), has_scale=has_scale, has_shift=has_shift,
+                            full=full)
+  c = np.array([0.5, 0.25, 0.25])
+  with x64_mode(True):
+    state = fresh(block, xs, cots, c)
+    grads = _brute.per_example_grads(fn, params, xs, cots)
+    expected = np.einsum("n,snp,snq->pq", c, grads, grads) / 2
+    if not full:
+      expected = np.diag(np.diag(expected))
+    np.testing.assert_allclose(block.to_dense(state), expected, atol=1e-12)
+
+
+def test_scale_broadcast_over_channels_of_an_image():
+  # BatchNorm-style: a [C] scale on NCHW inputs is shaped [C, 1, 1].
+  xs, cots = rand(0, (2, 3, 2, 2)), rand(1, (2, 3, 2, 2))
+  params = (rand(2, (3, 1, 1)), rand(3, (3, 1, 1)))
+  fn = lambda p, x: x * p[0] + p[1]
+  block = kfl.ScaleAndShift((3, 1, 1), full=True)
+  with x64_mode(True):
+    grads = _brute.per_example_grads(fn, params, xs, cots[None])
+    np.testing.assert_allclose(
+        block.to_dense(fresh(block, xs, cots)),
+        np.einsum("snp,snq->pq", grads, grads) / 2, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", [kfl.Full, kfl.NaiveDiagonal])
+def test_full_and_naive_blocks(cls):
+  grads = (rand(0, (4, 2, 3)), rand(1, (4, 3)))
+  alpha = np.array([1.0, 2.0, 3.0, 4.0])
+  block = cls(((2, 3), (3,)))
+  u = np.concatenate([grads[0].reshape(4, -1), grads[1]], 1)
+  expected = np.einsum("k,kp,kq->pq", alpha, u, u)
+  default = np.einsum("kp,kq->pq", u, u) / 4  # The mean over samples.
+  if cls is kfl.NaiveDiagonal:
+    expected, default = np.diag(np.diag(expected)), np.diag(np.diag(default))
+  with x64_mode(True):
+    np.testing.assert_allclose(
+        block.to_dense(fresh(block, grads, alpha)), expected, atol=1e-12)
+    np.testing.assert_allclose(block.to_dense(fresh(block, grads)), default,
+                               atol=1e-12)
+
+
+def test_bf16_activations_give_float32_statistics():
+  block = kfl.KroneckerDense((3, 2), has_bias=True)
+  stats = block.compute_stats(jnp.ones((4, 3), jnp.bfloat16),
+                              jnp.ones((4, 2), jnp.bfloat16))
+  assert stats.a.dtype == jnp.float32 and stats.g.dtype == jnp.float32
+  state = block.update(block.init(), stats, 0.9)
+  assert state.a.cov.dtype == jnp.float32
+  out = block.multiply_inverse(state, (jnp.ones((3, 2), jnp.bfloat16),
+                                       jnp.ones((2,), jnp.bfloat16)), 0.1)
+  assert all(o.dtype == jnp.bfloat16 for o in out)

@@ -1,0 +1,248 @@
+"""Block algebra against each block's own dense matrix, for every block kind.
+
+``multiply`` is ``to_dense() @ v``; ``multiply_inverse`` is a solve with the
+damped dense matrix (exactly in ``"exact"`` mode and for flat blocks, with
+the π-adjusted damped factors in ``"pi"`` mode); powers invert each other;
+the Cholesky products are square roots of the damped matrix.
+"""
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kfac_jax_lite as kfl
+from kfac_jax_lite import factor as fac
+
+from conftest import x64_mode
+
+
+def rand(key, shape, dtype=np.float64):
+  return np.asarray(jax.random.normal(jax.random.PRNGKey(key), shape), dtype)
+
+
+def dense_case(mode, bias=True, shape=(3, 4), in_axes=(0,), n=5, seed=0):
+  block = kfl.KroneckerDense(shape, in_axes=in_axes, has_bias=bias,
+                             damping_mode=mode, renorm_coeff=1.5)
+  d_in = int(np.prod([shape[i] for i in block.layout.in_axes]))
+  d_out = int(np.prod(block.layout.out_dims))
+  xs = rand(seed, (n, d_in)).reshape((n,) + block.layout.in_dims)
+  return block, (xs, rand(seed + 1, (n,) + block.layout.out_dims))
+
+
+def conv_case(mode):
+  block = kfl.KroneckerConv((3, 3, 2, 4), window_strides=(2, 2),
+                            padding=((1, 1), (1, 1)),
+                            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                            feature_group_count=2, has_bias=True,
+                            damping_mode=mode)
+  return block, (rand(2, (3, 4, 4, 4)), rand(3, (3, 2, 2, 4)))
+
+
+def embedding_case(mode):
+  block = kfl.KroneckerEmbedding(6, 3, damping_mode=mode)
+  ids = np.array([[0, 1], [1, 1], [3, 5]])
+  return block, (ids, rand(4, (3, 2, 3)))
+
+
+CASES = {
+    "dense_pi": lambda: dense_case("pi"),
+    "dense_exact": lambda: dense_case("exact"),
+    "dense_einsum_transposed": lambda: dense_case("exact", False, (2, 3, 2), (1,)),
+    "conv_pi": lambda: conv_case("pi"),
+    "conv_exact": lambda: conv_case("exact"),
+    "embedding_pi": lambda: embedding_case("pi"),
+    "embedding_exact": lambda: embedding_case("exact"),
+    "diagonal_dense": lambda: (kfl.DiagonalDense((3, 2), has_bias=True),
+                               (rand(5, (4, 3)), rand(6, (4, 2)))),
+    "diagonal_conv": lambda: (kfl.DiagonalConv((2, 1, 6), dimension_numbers=(
+        "NWC", "WIO", "NWC"), feature_group_count=3, has_bias=True),
+        (rand(7, (2, 5, 3)), rand(8, (2, 4, 6)))),
+    "scale_shift_diag": lambda: (kfl.ScaleAndShift((3,)),
+                                 (rand(9, (4, 2, 3)), rand(10, (4, 2, 3)))),
+    "scale_shift_full": lambda: (kfl.ScaleAndShift((3,), full=True),
+                                 (rand(11, (4, 2, 3)), rand(12, (4, 2, 3)))),
+    "full": lambda: (kfl.Full(((2, 2), (3,))),
+                     ((rand(13, (9, 2, 2)), rand(14, (9, 3))),)),
+    "naive_diagonal": lambda: (kfl.NaiveDiagonal(((2, 2), (3,))),
+                               ((rand(15, (3, 2, 2)), rand(16, (3, 3))),)),
+}
+
+
+def make(name, dtype):
+  block, data = CASES[name]()
+  state = block.update(block.init(dtype), block.compute_stats(*data), 0.9)
+  return block, state
+
+
+def flat(v):
+  return np.concatenate([np.ravel(x) for x in v])
+
+
+def random_v(block, seed, dtype):
+  return tuple(rand(seed + i, s, dtype) for i, s in enumerate(block.param_shapes))
+
+
+def damped_dense(block, state, damping):
+  """The damped block the approximation inverts, built independently."""
+  dense = np.asarray(block.to_dense(state), np.float64)
+  if not isinstance(block, kfl.blocks.KroneckerBlock) or block.damping_mode == "exact":
+    return dense + damping * np.eye(len(dense))
+  # π-adjusted: c (A + π√(λ/c) I) ⊗ (G + √(λ/c)/π I), π per group.
+  a, g = (np.asarray(kfl.factor_value(f), np.float64) for f in state)
+  a_diag = a if a.ndim == 2 else np.diagonal(a, axis1=1, axis2=2)
+  pi = np.sqrt(a_diag.mean(-1) / np.diagonal(g, axis1=1, axis2=2).mean(-1))
+  root = np.sqrt(damping / block.renorm_coeff)
+  a_damped = (a + (pi * root)[:, None] if a.ndim == 2
+              else a + (pi * root)[:, None, None] * np.eye(a.shape[-1]))
+  g_damped = g + (root / pi)[:, None, None] * np.eye(g.shape[-1])
+  damped = state._replace(a=kfl.update_cov(state.a, a_damped, 0.0),
+                          g=kfl.update_cov(state.g, g_damped, 0.0))
+  return np.asarray(block.to_dense(damped), np.float64)
+
+
+def sym_power(m, exp):
+  w, q = np.linalg.eigh(m)
+  return (q * w ** exp) @ q.T
+
+
+@pytest.mark.parametrize("x64", [False, True])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_block_algebra(name, x64):
+  with x64_mode(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    rtol = 1e-9 if x64 else 2e-3
+    block, state = make(name, dtype)
+    v = random_v(block, 100, np.float64 if x64 else np.float32)
+    dense = np.asarray(block.to_dense(state), np.float64)
+    n = sum(int(np.prod(s)) for s in block.param_shapes)
+    assert dense.shape == (n, n)
+    np.testing.assert_allclose(dense, dense.T, atol=1e-6)
+
+    def close(got, expected):
+      got = flat(got)
+      np.testing.assert_allclose(got, expected, rtol=rtol,
+                                 atol=rtol * np.abs(expected).max())
+
+    close(block.multiply(state, v), dense @ flat(v))
+    lam = 0.3
+    damped = damped_dense(block, state, lam)
+    close(block.multiply_inverse(state, v, lam), np.linalg.solve(damped, flat(v)))
+    for exp in (-0.5, 0.5, 2.0):
+      close(block.multiply_matpower(state, v, lam, exp),
+            sym_power(damped, exp) @ flat(v))
+    there = block.multiply_matpower(state, v, lam, -0.5)
+    close(block.multiply_matpower(state, there, lam, 0.5), flat(v))
+    # Square-root factors: L Lᵀ = damped; L⁻¹ and L⁻ᵀ invert L and Lᵀ.
+    lt_v = block.multiply_cholesky(state, v, lam, transpose=True)
+    close(block.multiply_cholesky(state, lt_v, lam), damped @ flat(v))
+    close(block.multiply_cholesky_inverse(
+        state, block.multiply_cholesky(state, v, lam), lam), flat(v))
+    close(block.multiply_cholesky_inverse(state, lt_v, lam, transpose=True),
+          flat(v))
+    # The refreshed cache gives the same products as a fresh decomposition.
+    for exp in (-1.0, -0.5):
+      cached = block.refresh(state, lam, exp, step=3)
+      close(block.multiply_matpower(cached, v, lam, exp, use_cache=True),
+            sym_power(damped, exp) @ flat(v))
+
+
+def test_pi_cholesky_factor_is_lower_triangular_in_kronecker_order():
+  block, state = make("dense_pi", jnp.float32)
+  a, b = block.layout.a, block.layout.b
+  eye = np.eye(a * b, dtype=np.float32)
+  cols = [block.layout.to_mat(block.multiply_cholesky(
+      state, block.layout.from_mat(e.reshape(1, a, b)), 0.3))[0].ravel()
+          for e in eye]
+  chol = np.stack(cols, axis=1)
+  np.testing.assert_allclose(np.triu(chol, 1), 0, atol=1e-6)
+
+
+@hypothesis.settings(max_examples=10, deadline=None)
+@hypothesis.given(d_in=st.integers(1, 4), d_out=st.integers(1, 4),
+                  bias=st.booleans(), mode=st.sampled_from(["pi", "exact"]),
+                  damping=st.floats(1e-3, 10.0),
+                  exp=st.sampled_from([-1.0, -0.5, -0.25, 1.0]),
+                  seed=st.integers(0, 1000))
+def test_dense_block_powers_over_shapes(d_in, d_out, bias, mode, damping, exp,
+                                        seed):
+  with x64_mode(True):
+    block, data = dense_case(mode, bias, (d_in, d_out), seed=seed)
+    state = block.update(block.init(jnp.float64), block.compute_stats(*data), 0.5)
+    v = random_v(block, seed + 7, np.float64)
+    damped = damped_dense(block, state, damping)
+    got = flat(block.multiply_matpower(state, v, damping, exp))
+    expected = sym_power(damped, exp) @ flat(v)
+    np.testing.assert_allclose(got, expected, rtol=1e-7,
+                               atol=1e-9 * np.abs(expected).max())
+    back = block.multiply_matpower(state, block.multiply_matpower(
+        state, v, damping, exp), damping, -exp)
+    np.testing.assert_allclose(flat(back), flat(v), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_non_finite_statistics_leave_block_state_unchanged(name):
+  block, state = make(name, jnp.float32)
+  stats = block.compute_stats(*CASES[name]()[1])
+  leaves, treedef = jax.tree.flatten(stats)
+  leaves[-1] = leaves[-1].at[(0,) * leaves[-1].ndim].set(jnp.nan)
+  after = block.update(state, jax.tree.unflatten(treedef, leaves), 0.9)
+  factors = (state,) if isinstance(state, kfl.FactorState) else tuple(state)
+  after_factors = (after,) if isinstance(after, kfl.FactorState) else tuple(after)
+  for old, new in zip(factors, after_factors):
+    for field in old._fields:
+      if field != "num_skipped":
+        np.testing.assert_array_equal(getattr(new, field), getattr(old, field))
+    assert int(new.num_skipped) == int(old.num_skipped) + 1
+
+
+def test_bad_shapes_name_the_block_and_both_shapes():
+  block = kfl.KroneckerDense((3, 4), has_bias=True)
+  state = block.init()
+  with pytest.raises(ValueError, match=r"KroneckerDense.*\(\(3, 4\), \(4,\)\).*\(\(4, 3\), \(4,\)\)"):
+    block.multiply(state, (jnp.ones((4, 3)), jnp.ones(4)))
+  with pytest.raises(ValueError, match=r"KroneckerDense.*\(5, 2\).*\(3,\)"):
+    block.compute_stats(jnp.ones((5, 2)), jnp.ones((5, 4)))
+  with pytest.raises(ValueError, match=r"KroneckerDense.*\(5, 3\).*\(5, 4\)"):
+    block.compute_stats(jnp.ones((5, 3)), jnp.ones((5, 3)))
+  conv = kfl.KroneckerConv((3, 3, 2, 4), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  with pytest.raises(ValueError, match=r"KroneckerConv.*\(1, 5, 5, 3\).*3 channels.*2"):
+    conv.compute_stats(jnp.ones((1, 5, 5, 3)), jnp.ones((1, 3, 3, 4)))
+  emb = kfl.KroneckerEmbedding(5, 2)
+  with pytest.raises(ValueError, match=r"KroneckerEmbedding.*integers"):
+    emb.compute_stats(jnp.ones((3,)), jnp.ones((3, 2)))
+  with pytest.raises(ValueError, match=r"KroneckerEmbedding.*\(3, 4\)"):
+    emb.compute_stats(jnp.ones((3,), jnp.int32), jnp.ones((3, 4)))
+  ss = kfl.ScaleAndShift((3,))
+  with pytest.raises(ValueError, match=r"ScaleAndShift.*\(3,\).*\(4,\)"):
+    ss.compute_stats(jnp.ones((2, 4)), jnp.ones((2, 4)))
+  with pytest.raises(ValueError, match="damping_mode"):
+    kfl.KroneckerDense((3, 4), damping_mode="tikhonov")
+  with pytest.raises(ValueError, match="weight_sharing"):
+    kfl.KroneckerDense((3, 4), weight_sharing="mean")
+  with pytest.raises(ValueError, match="in_axes"):
+    kfl.KroneckerDense((3, 4), in_axes=(0, 1))
+  with pytest.raises(ValueError, match="update_cov.*\\(1, 5, 5\\).*\\(1, 4, 4\\)"):
+    block.update(state, kfl.KroneckerState(a=jnp.ones((1, 5, 5)),
+                                           g=jnp.ones((1, 4, 4))), 0.9)
+
+
+def test_blocks_are_static_and_jit_friendly():
+  block, data = CASES["conv_pi"]()
+  assert hash(block) == hash(CASES["conv_pi"]()[0])
+
+  @jax.jit
+  def step(state, x, g, v):
+    state = block.update(state, block.compute_stats(x, g), 0.95)
+    state = block.refresh(state, 0.1, -1.0, step=1)
+    return state, block.multiply_inverse(state, v, 0.1, use_cache=True)
+
+  v = random_v(block, 0, np.float32)
+  state, out = step(block.init(), *[np.float32(x) for x in data], v)
+  np.testing.assert_allclose(
+      flat(out), flat(block.multiply_inverse(state, v, 0.1)), rtol=1e-4,
+      atol=1e-5)
+  assert int(state.a.cache_step) == 1
+  assert block.state_bytes() == sum(x.nbytes for x in jax.tree.leaves(state))
+  assert fac.is_diagonal(state.a) is False
