@@ -8,6 +8,11 @@ from kfac_jax_lite import blocks
 from kfac_jax_lite.blocks import (
     DiagonalConv, DiagonalDense, Full, KroneckerConv, KroneckerDense,
     KroneckerEmbedding, KroneckerState, NaiveDiagonal, ScaleAndShift)
+from kfac_jax_lite.distributions import PredictiveDistribution
+from kfac_jax_lite.losses import (
+    gaussian_nll, l2_loss, registered_loss, sigmoid_binary_cross_entropy,
+    softmax_cross_entropy, softmax_cross_entropy_with_integer_labels,
+    squared_error)
 from kfac_jax_lite.factor import (
     FactorState, damped_cholesky, damped_matpower, factor_value, init_factor,
     multiply, multiply_inverse, multiply_matpower, refresh_cache, update_cov)
@@ -20,4 +25,7 @@ __all__ = [
     "ScaleAndShift", "blocks", "damped_cholesky", "damped_matpower",
     "factor_value", "init_factor", "multiply", "multiply_inverse",
     "multiply_matpower", "refresh_cache", "update_cov",
+    "PredictiveDistribution", "gaussian_nll", "l2_loss", "registered_loss",
+    "sigmoid_binary_cross_entropy", "softmax_cross_entropy",
+    "softmax_cross_entropy_with_integer_labels", "squared_error",
 ]
