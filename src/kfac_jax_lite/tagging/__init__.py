@@ -1,0 +1,79 @@
+"""Tagging: find the layers of a traced loss, and rewrite it to expose them.
+
+Algorithm
+---------
+1. ``jax.make_jaxpr(loss_fn)(params, batch)``; every parameter leaf is a
+   jaxpr input named by its pytree path (``params/Dense_0/kernel``).
+2. A graph walk (``_analysis``) follows each leaf through layout-only
+   operations (casts, transposes, unit reshapes, ``broadcast_in_dim``) and
+   into nested jaxprs (``jit``/``pjit``, ``custom_jvp_call``,
+   ``custom_vjp_call``, ``checkpoint``/``remat``, ``scan``, ``cond``;
+   ``while`` bodies are searched but cannot be differentiated). A leaf that
+   ``scan`` slices from its ``xs`` is a *stacked* layer (one layer per step,
+   ``Layer.stack``); a leaf that enters as a scan constant is reused at
+   every step (the step is a weight-sharing axis). Patterns:
+
+   * dense — ``dot_general`` with a leaf as either operand, any contraction
+     layout (``x @ W``, ``x @ W.T``, ``W @ x`` under ``vmap``, einsums with
+     extra batch/sequence axes); a bias is an ``add`` of a leaf broadcast
+     over the kernel's output axes, found through layout ops after the dot;
+   * conv — ``conv_general_dilated`` with a leaf kernel (any dimension
+     numbers, strides, padding, dilation, feature groups) and its bias;
+   * embedding — a ``gather`` of rows of a 2-D leaf with integer indices
+     (``jnp.take``, ``table[ids]``, Flax/Haiku/Equinox embeddings);
+   * scale/shift — a leaf multiplied / added with broadcasting, including
+     the ``(x - μ) · (rsqrt(σ²+ε) · scale) + bias`` form of Flax and Haiku
+     norms (the scale's input is then ``(x - μ) · rsqrt(σ²+ε)``).
+
+   Any other use of a leaf (an unmatched primitive, a reshape that merges
+   axes, a scan carry, ...) is recorded with its reason.
+3. Uses are grouped by the leaves they share (``_layers``). One group is one
+   block; incompatible groups get a fallback block (``NaiveDiagonal`` by
+   default) whose reason ``describe`` shows. Nothing is dropped.
+4. The rewritten loss (``_interpret``) replays the jaxpr: at each layer
+   use it records the input and adds a zero *probe* to the output. One
+   ``jax.vjp`` of ``apply(params, batch, probes)`` then gives the parameter
+   gradient and, w.r.t. the probes, every layer's output cotangents from
+   the same forward pass; no per-example parameter gradient is formed.
+
+Shared and tied parameters
+--------------------------
+Every use of a parameter feeds one block. Uses are weight-sharing
+positions: their data is concatenated along one shared axis after the
+example axis (``[N, R_1 + R_2 + ..., features]``), so ``"expand"`` averages
+the input factor and sums the output factor over all positions of all
+uses, and ``"reduce"`` first averages inputs / sums cotangents over them
+(Eschenhagen et al. 2023). A use that contracts the kernel's *other* axes
+(``x @ W.T`` next to ``x @ W``; ``x @ Eᵀ`` next to the lookup ``E[ids]``)
+has the roles of the factors swapped: its output cotangent is a row of the
+input factor and its input a row of the output factor. A tied embedding is
+therefore one ``KroneckerDense`` over the table ``[vocab, dim]`` with
+``in_axes=(0,)`` whose inputs are the one-hot ids of the lookups and the
+output cotangents of the ``x @ Eᵀ`` uses. With a samples axis on the
+cotangents and a transposed use, the samples are folded into the shared
+axis (inputs repeated, cotangents scaled by ``1/sqrt(S)``), which keeps
+``"expand"`` exact; ``"reduce"`` is then an approximation.
+
+Unsupported (fallback with the reason)
+--------------------------------------
+* a conv kernel used more than once, or reused at every step of a scan;
+* a kernel with ``dot_general`` batch axes (per-head weights
+  ``"bhd,hde->bhe"``), kernels reshaped/merged before use, products of two
+  parameters, parameters in a scan carry, layers inside ``while_loop``,
+  parameters stacked over two nested scans;
+* a bias added after only some uses, an embedding gathered along its
+  second axis, layers whose example axis cannot be identified (assumed:
+  the first non-feature axis of the layer input, sized like the batch);
+* regularisers on parameters inside the loss (e.g. ``sum(W**2)``) count as
+  an unmatched use: pass weight decay through optax instead;
+* ``shard_map``/``pmap`` and other primitives with inner jaxprs.
+
+A custom_jvp/custom_vjp function that contains a layer is replaced by
+autodiff of its primal implementation in the rewritten loss.
+"""
+from kfac_jax_lite.tagging._describe import Row, Table, describe
+from kfac_jax_lite.tagging._layers import Layer
+from kfac_jax_lite.tagging._tagged import TaggedLoss, find_layers, path_name
+
+__all__ = ["Layer", "Row", "Table", "TaggedLoss", "describe", "find_layers",
+           "path_name"]

@@ -1,0 +1,467 @@
+"""The graph walk: find every use of a parameter leaf in a traced jaxpr.
+
+``analyse(closed_jaxpr, leaf_shapes)`` walks the jaxpr (descending into
+nested jaxprs) and returns the layer *uses* it recognised and the *opaque*
+uses (a parameter consumed by anything that is not a layer pattern). A use
+knows where to capture its input and where to add its output probe, as a key
+path of equation indices through the nested jaxprs; ``_interpret`` replays
+the jaxpr with those keys.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+from jax import lax
+
+from kfac_jax_lite.tagging import _views
+from kfac_jax_lite.tagging._views import View
+
+CALL_PRIMS = {  # primitive name -> param holding the (closed) jaxpr
+    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr"}
+
+
+@dataclasses.dataclass
+class Use:
+  """One application of a layer pattern to parameter leaves."""
+  uid: int
+  kind: str                 # dense | conv | embedding | scale_shift
+  roles: dict               # role name -> View (kernel, bias, table, scale, shift)
+  capture_key: tuple | None  # equation key where the input is read
+  capture: tuple | None     # ("var", v) | ("mul", a, b): how to read it
+  capture_aval: Any
+  probe_key: tuple          # equation whose first output gets the probe
+  probe_aval: Any
+  in_labels: tuple          # per axis of the captured input
+  out_labels: tuple         # per axis of the probed output
+  levels: tuple             # enclosing scans: ((level_key, length), ...)
+  config: dict
+  where: str
+  in_while: bool = False
+
+
+@dataclasses.dataclass
+class Opaque:
+  leaf: int
+  reason: str
+
+
+def _aval(v):
+  return v.aval
+
+
+def _is_var(v):
+  return not hasattr(v, "val")  # Literals carry .val
+
+
+def _inner(eqn):
+  """``(jaxpr, consts)`` of a call-like equation, or None."""
+  name = CALL_PRIMS.get(eqn.primitive.name)
+  if name is None or name not in eqn.params:
+    return None
+  j = eqn.params[name]
+  if hasattr(j, "jaxpr") and hasattr(j, "consts"):
+    return j.jaxpr, j.consts
+  return j, ()
+
+
+class Analysis:
+
+  def __init__(self, leaf_shapes):
+    self.leaf_shapes = leaf_shapes
+    self.uses: list[Use] = []
+    self.opaque: list[Opaque] = []
+
+  # --------------------------------------------------------------- helpers
+  def _opaque(self, view, reason, where):
+    self.opaque.append(Opaque(view.leaf, f"{reason} (in {where})"
+                              if where else reason))
+
+  def _new_use(self, **kw):
+    use = Use(uid=len(self.uses), **kw)
+    self.uses.append(use)
+    return use
+
+  # ------------------------------------------------------------------ walk
+  def walk(self, jaxpr, in_views, prefix=(), levels=(), where="",
+           in_while=False):
+    env = {}
+    for v, view in zip(jaxpr.invars, in_views):
+      if view is not None:
+        env[v] = view
+    consumers = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+      for v in eqn.invars:
+        if _is_var(v):
+          consumers.setdefault(v, []).append(i)
+    outset = {v for v in jaxpr.outvars if _is_var(v)}
+    ctx = dict(env=env, consumers=consumers, outset=outset, jaxpr=jaxpr,
+               prefix=prefix, levels=levels, where=where, in_while=in_while,
+               claimed=set())
+    pending = []
+    for i, eqn in enumerate(jaxpr.eqns):
+      views = [env.get(v) if _is_var(v) else None for v in eqn.invars]
+      if all(v is None for v in views):
+        continue
+      name = eqn.primitive.name
+      key = prefix + (i,)
+      if (name in _views.IDENTITY_PRIMS or name in _views.LAYOUT_PRIMS) and (
+          len(eqn.invars) == 1 or all(v is None for v in views[1:])):
+        new = _views.apply_layout(views[0], eqn)
+        if new is None:
+          self._opaque(views[0], f"reshaped by `{name}` before use", where)
+        else:
+          env[eqn.outvars[0]] = new
+      elif _inner(eqn) is not None:
+        inner, _ = _inner(eqn)
+        if len(inner.invars) != len(eqn.invars):
+          for v in views:
+            if v is not None:
+              self._opaque(v, f"passed to `{name}`", where)
+          continue
+        sub = f"{where}/{name}" if where else name
+        outs = self.walk(inner, views, key + (0,), levels, sub, in_while)
+        for ov, view in zip(eqn.outvars, outs):
+          if view is not None:
+            env[ov] = view
+      elif name == "scan":
+        self._scan(eqn, views, key, ctx)
+      elif name == "cond":
+        sub = f"{where}/cond" if where else "cond"
+        for b, br in enumerate(eqn.params["branches"]):
+          self.walk(br.jaxpr, views[1:], key + (b,), levels, sub, in_while)
+      elif name == "while":
+        self._while(eqn, views, key, ctx)
+      else:
+        pending.append(i)
+    for i in pending:
+      if i not in ctx["claimed"]:
+        self._classify(i, ctx)
+    return [env.get(v) if _is_var(v) else None for v in jaxpr.outvars]
+
+  def _scan(self, eqn, views, key, ctx):
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    where = f"{ctx['where']}/scan" if ctx["where"] else "scan"
+    inner = []
+    for j, view in enumerate(views):
+      if view is None or j < nc:
+        inner.append(view)
+      elif j < nc + nk:
+        self._opaque(view, "carried through lax.scan", ctx["where"])
+        inner.append(None)
+      elif view.dims and view.dims[0] == len(view.stacked) and view.pure:
+        inner.append(dataclasses.replace(
+            view, dims=view.dims[1:], stacked=view.stacked + (key,)))
+      else:
+        self._opaque(view, "scanned over a non-leading axis", ctx["where"])
+        inner.append(None)
+    self.walk(p["jaxpr"].jaxpr, inner, key + (0,),
+              ctx["levels"] + ((key, p["length"]),), where, ctx["in_while"])
+
+  def _while(self, eqn, views, key, ctx):
+    p = eqn.params
+    cn, bn = p["cond_nconsts"], p["body_nconsts"]
+    where = f"{ctx['where']}/while" if ctx["where"] else "while"
+    for view in views[cn + bn:]:
+      if view is not None:
+        self._opaque(view, "carried through lax.while_loop", ctx["where"])
+    carry = [None] * (len(views) - cn - bn)
+    self.walk(p["cond_jaxpr"].jaxpr, views[:cn] + carry, key + (0,),
+              ctx["levels"], where, True)
+    self.walk(p["body_jaxpr"].jaxpr, views[cn:cn + bn] + carry, key + (1,),
+              ctx["levels"], where, True)
+
+  # --------------------------------------------------------- classification
+  def _classify(self, i, ctx):
+    eqn = ctx["jaxpr"].eqns[i]
+    env = ctx["env"]
+    views = [env.get(v) if _is_var(v) else None for v in eqn.invars]
+    name = eqn.primitive.name
+    fn = {"dot_general": self._dense, "conv_general_dilated": self._conv,
+          "gather": self._gather, "mul": self._mul, "add": self._add}.get(name)
+    reason = fn(i, eqn, views, ctx) if fn else f"used by `{name}`"
+    if reason:
+      for v in views:
+        if v is not None:
+          self._opaque(v, reason, ctx["where"])
+
+  def _single_consumer(self, var, ctx):
+    cons = ctx["consumers"].get(var, [])
+    if len(cons) != 1 or var in ctx["outset"]:
+      return None
+    return cons[0]
+
+  def _follow(self, var, labels, ctx):
+    """Follow single-consumer layout ops from ``var``: [(var, labels, idx)]."""
+    chain = []
+    while True:
+      j = self._single_consumer(var, ctx)
+      if j is None:
+        return chain
+      eqn = ctx["jaxpr"].eqns[j]
+      if eqn.primitive.name == "broadcast_in_dim":
+        return chain
+      mapping = _views.layout_map(eqn) if (
+          eqn.primitive.name in _views.IDENTITY_PRIMS
+          or eqn.primitive.name in _views.LAYOUT_PRIMS) else None
+      if mapping is None:
+        return chain
+      labels = tuple(("u",) if m is None else labels[m] for m in mapping)
+      var = eqn.outvars[0]
+      chain.append((var, labels, j))
+
+  def _bias_add(self, var, labels, ctx, feature_labels):
+    """Find ``add(var', bias)`` after ``var`` (through layout ops) where the
+    bias covers exactly the axes labelled in ``feature_labels``.
+    Returns (add_index, bias_view, out_labels) or None."""
+    cands = [(var, labels, None)] + self._follow(var, labels, ctx)
+    for v, labs, _ in cands:
+      j = self._single_consumer(v, ctx)
+      if j is None:
+        continue
+      eqn = ctx["jaxpr"].eqns[j]
+      if eqn.primitive.name != "add" or j in ctx["claimed"]:
+        continue
+      other = [w for w in eqn.invars if w is not v]
+      if len(other) != 1 or not _is_var(other[0]):
+        continue
+      bview = ctx["env"].get(other[0])
+      if bview is None or bview.stacked != self._stack_of(ctx, bview):
+        continue
+      shape = tuple(eqn.outvars[0].aval.shape)
+      if shape != tuple(v.aval.shape):
+        continue
+      nonunit = bview.nonunit(shape)
+      feats = [(labs[k], nonunit[k]) for k in range(len(shape))
+               if labs[k] in feature_labels and shape[k] > 1]
+      others = [nonunit[k] for k in range(len(shape))
+                if not (labs[k] in feature_labels and shape[k] > 1)]
+      if any(o is not None for o in others) or any(b is None for _, b in feats):
+        continue
+      order = [b for _, b in sorted(feats, key=lambda t: t[0])]
+      if order != sorted(order) or not bview.covers(shape):
+        continue
+      return j, bview, labs
+    return None
+
+  @staticmethod
+  def _stack_of(ctx, view):
+    return view.stacked
+
+  def _record(self, kind, roles, ctx, cap_i, capture, cap_aval, probe_i,
+              probe_aval, in_labels, out_labels, config):
+    where = ctx["where"] or "top level"
+    return self._new_use(
+        kind=kind, roles=roles, capture_key=None if cap_i is None
+        else ctx["prefix"] + (cap_i,), capture=capture, capture_aval=cap_aval,
+        probe_key=ctx["prefix"] + (probe_i,), probe_aval=probe_aval,
+        in_labels=tuple(in_labels), out_labels=tuple(out_labels),
+        levels=ctx["levels"], config=config, where=where,
+        in_while=ctx["in_while"])
+
+  def _dense(self, i, eqn, views, ctx):
+    if views[0] is not None and views[1] is not None:
+      return "multiplied (dot_general) by another parameter"
+    k = 0 if views[0] is not None else 1
+    kv = views[k]
+    if not kv.pure:
+      return "broadcast or reshaped before dot_general"
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    kc, xc = (lc, rc) if k == 0 else (rc, lc)
+    kb = lb if k == 0 else rb
+    if kb:
+      return "a dot_general batch dimension on the kernel (per-group weights)"
+    x = eqn.invars[1 - k]
+    xnd, knd = len(x.aval.shape), len(kv.dims)
+    in_labels, b = [], 0
+    for d in range(xnd):
+      if d in xc:
+        in_labels.append(("k", kv.dims[kc[list(xc).index(d)]]))
+      else:
+        in_labels.append(("b", b))
+        b += 1
+    if b == 0:
+      return "dot_general with an input that has no example axis"
+    x_free = [("b", j) for j in range(b)]
+    k_free = [("k", kv.dims[d]) for d in range(knd) if d not in kc]
+    out_labels = k_free + x_free if k == 0 else x_free + k_free
+    if not k_free:
+      return "a dot_general that contracts every kernel axis"
+    base = len(kv.stacked)
+    in_axes = tuple(sorted(kv.dims[d] - base for d in kc))
+    out = eqn.outvars[0]
+    roles = {"kernel": kv}
+    probe_i, probe_aval, labels = i, out.aval, out_labels
+    found = self._bias_add(out, tuple(out_labels), ctx, set(k_free))
+    if found is not None:
+      j, bview, labels = found
+      ctx["claimed"].add(j)
+      roles["bias"] = bview
+      probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
+    self._record("dense", roles, ctx, i, ("var", x), x.aval, probe_i,
+                 probe_aval, in_labels, labels,
+                 dict(in_axes=in_axes, kernel_shape=tuple(
+                     kv.leaf_shape[base:])))
+    return None
+
+  def _conv(self, i, eqn, views, ctx):
+    if views[0] is not None:
+      return "the parameter is the input (lhs) of a convolution"
+    kv = views[1]
+    base = len(kv.stacked)
+    if kv.dims != tuple(range(base, len(kv.leaf_shape))):
+      return "a transposed or broadcast convolution kernel"
+    p = eqn.params
+    if p.get("batch_group_count", 1) != 1:
+      return "a convolution with batch_group_count > 1"
+    lhs, out = eqn.invars[0], eqn.outvars[0]
+    dn = p["dimension_numbers"]
+    nd = len(lhs.aval.shape)
+    in_labels = [("c", q) for q in range(nd)]
+    out_labels = [("c", q) for q in range(nd)]
+    roles = {"kernel": kv}
+    probe_i, probe_aval, labels = i, out.aval, out_labels
+    found = self._bias_add(out, tuple(out_labels), ctx, {("c", dn.out_spec[1])})
+    if found is not None:
+      j, bview, labels = found
+      ctx["claimed"].add(j)
+      roles["bias"] = bview
+      probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
+    padding = p["padding"]
+    if isinstance(padding, str):
+      return "a convolution with string padding"
+    config = dict(
+        kernel_shape=tuple(kv.leaf_shape[base:]),
+        window_strides=tuple(p["window_strides"]),
+        padding=tuple(tuple(int(x) for x in pr) for pr in padding),
+        lhs_dilation=tuple(p["lhs_dilation"]),
+        rhs_dilation=tuple(p["rhs_dilation"]),
+        dimension_numbers=lax.ConvDimensionNumbers(
+            tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)),
+        feature_group_count=p["feature_group_count"],
+        precision=p.get("precision"))
+    self._record("conv", roles, ctx, i, ("var", lhs), lhs.aval, probe_i,
+                 probe_aval, in_labels, labels, config)
+    return None
+
+  def _gather(self, i, eqn, views, ctx):
+    if views[1] is not None:
+      return "used as gather indices"
+    tv = views[0]
+    ind = eqn.invars[1]
+    dn = eqn.params["dimension_numbers"]
+    shape = tuple(eqn.invars[0].aval.shape)
+    sizes = tuple(eqn.params["slice_sizes"])
+    if (not tv.pure or len(shape) != 2 or dn.operand_batching_dims
+        or not np.issubdtype(ind.aval.dtype, np.integer)):
+      return "a gather that is not an embedding lookup"
+    va = [a for a in range(2) if sizes[a] == 1 and sizes[1 - a] == shape[1 - a]]
+    va = [a for a in va if a in dn.start_index_map]
+    if len(va) != 1 or shape[va[0]] == 1:
+      return "a gather that is not a row lookup of a 2-D table"
+    va = va[0]
+    if tv.dims[va] != len(tv.stacked):
+      return "an embedding table gathered along its second axis"
+    pos = list(dn.start_index_map).index(va)
+    n_idx = len(ind.aval.shape) - 1
+    out = eqn.outvars[0]
+    on = len(out.aval.shape)
+    kept = [a for a in range(2) if a not in dn.collapsed_slice_dims]
+    out_labels, b = [], 0
+    for q in range(on):
+      if q in dn.offset_dims:
+        a = kept[list(dn.offset_dims).index(q)]
+        out_labels.append(("u",) if a == va else ("k", tv.dims[a]))
+      else:
+        out_labels.append(("b", b))
+        b += 1
+    if n_idx == 0:
+      return "an embedding lookup with no example axis"
+    in_labels = [("b", j) for j in range(n_idx)] + [("iv", pos)]
+    self._record("embedding", {"table": tv}, ctx, i, ("var", ind), ind.aval,
+                 i, out.aval, in_labels, out_labels,
+                 dict(vocab_size=shape[va], dim=shape[1 - va], id_pos=pos))
+    return None
+
+  def _broadcast_labels(self, view, shape):
+    nonunit = view.nonunit(shape)
+    labels, b = [], 0
+    for d in nonunit:
+      if d is None:
+        labels.append(("b", b))
+        b += 1
+      else:
+        labels.append(("k", d))
+    return tuple(labels), nonunit
+
+  def _mul(self, i, eqn, views, ctx):
+    if views[0] is not None and views[1] is not None:
+      return "multiplied by another parameter"
+    k = 0 if views[0] is not None else 1
+    sv = views[k]
+    other = eqn.invars[1 - k]
+    out = eqn.outvars[0]
+    shape = tuple(out.aval.shape)
+    if not sv.covers(shape):
+      return "multiplied after a reduction or broadcast of its axes"
+    labels, nonunit = self._broadcast_labels(sv, shape)
+    capture, cap_i = ("var", other), i
+    y, y_i = out, i
+    j = self._single_consumer(out, ctx)
+    if j is not None:
+      e2 = ctx["jaxpr"].eqns[j]
+      z = [w for w in e2.invars if w is not out]
+      if (e2.primitive.name == "mul" and len(z) == 1 and _is_var(z[0])
+          and ctx["env"].get(z[0]) is None
+          and tuple(e2.outvars[0].aval.shape) == shape):
+        capture, cap_i = ("mul", other, z[0]), j
+        y, y_i = e2.outvars[0], j
+        ctx["claimed"].add(j)
+    roles = {"scale": sv}
+    probe_i, probe_aval = y_i, y.aval
+    j = self._single_consumer(y, ctx)
+    if j is not None and j not in ctx["claimed"]:
+      e3 = ctx["jaxpr"].eqns[j]
+      w = [v for v in e3.invars if v is not y]
+      hv = ctx["env"].get(w[0]) if len(w) == 1 and _is_var(w[0]) else None
+      if (e3.primitive.name == "add" and hv is not None and hv.leaf != sv.leaf
+          and hv.stacked == sv.stacked
+          and tuple(e3.outvars[0].aval.shape) == shape
+          and hv.nonunit(shape) == nonunit and hv.covers(shape)):
+        roles["shift"] = hv
+        ctx["claimed"].add(j)
+        probe_i, probe_aval = j, e3.outvars[0].aval
+    cap_aval = out.aval
+    self._record("scale_shift", roles, ctx, cap_i, capture + (shape,),
+                 cap_aval, probe_i, probe_aval, labels, labels, {})
+    return None
+
+  def _add(self, i, eqn, views, ctx):
+    if views[0] is not None and views[1] is not None:
+      return "added to another parameter"
+    k = 0 if views[0] is not None else 1
+    hv = views[k]
+    out = eqn.outvars[0]
+    shape = tuple(out.aval.shape)
+    if not hv.covers(shape):
+      return "added after a reduction or broadcast of its axes"
+    labels, _ = self._broadcast_labels(hv, shape)
+    self._record("scale_shift", {"shift": hv}, ctx, None, None, None, i,
+                 out.aval, labels, labels, {})
+    return None
+
+
+def analyse(jaxpr, n_leaves, leaf_shapes, leaf_invars):
+  """Walk ``jaxpr`` (a core.Jaxpr) whose invars ``leaf_invars[k]`` is leaf k."""
+  an = Analysis(leaf_shapes)
+  in_views = [None] * len(jaxpr.invars)
+  for k, pos in enumerate(leaf_invars):
+    in_views[pos] = View(k, tuple(range(len(leaf_shapes[k]))),
+                         tuple(leaf_shapes[k]))
+  an.walk(jaxpr, in_views)
+  return an.uses, an.opaque

@@ -1,0 +1,97 @@
+"""Parameter views: a jaxpr variable that is a (re-laid-out) parameter leaf.
+
+A view records, for each axis of the variable, which axis of the parameter
+leaf it is (``int``) or ``None`` for an axis the view inserted (a unit axis,
+or a broadcast one). Only layout changes are followed: dtype casts, copies,
+transposes, unit-axis reshapes/squeezes, ``broadcast_in_dim`` and the
+per-step slice that ``lax.scan`` takes of a stacked parameter. Anything else
+applied to a parameter ends the view (and is reported as an unmatched use).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# Primitives that keep the value (up to dtype) and layout of their operand.
+IDENTITY_PRIMS = frozenset({
+    "convert_element_type", "copy", "copy_p", "reduce_precision",
+    "optimization_barrier"})
+LAYOUT_PRIMS = frozenset({"transpose", "reshape", "squeeze",
+                          "broadcast_in_dim", "expand_dims"})
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+  leaf: int               # index of the parameter leaf (tree_flatten order)
+  dims: tuple             # per axis of the variable: leaf axis or None
+  leaf_shape: tuple       # the full leaf shape
+  stacked: tuple = ()     # scan levels (ids) that sliced a leading leaf axis
+
+  @property
+  def remaining(self):
+    """Leaf axes still present (the leading ``len(stacked)`` are sliced)."""
+    return tuple(range(len(self.stacked), len(self.leaf_shape)))
+
+  @property
+  def pure(self):
+    """A permutation of the (unsliced) leaf axes, nothing inserted."""
+    return None not in self.dims and sorted(self.dims) == list(self.remaining)
+
+  def nonunit(self, shape):
+    """Per axis of a variable of ``shape``: the leaf axis it carries with
+    size > 1 (both in the leaf and in ``shape``), else None."""
+    out = []
+    for d, n in zip(self.dims, shape):
+      out.append(d if d is not None and self.leaf_shape[d] > 1 and n > 1
+                 and n == self.leaf_shape[d] else None)
+    return tuple(out)
+
+  def covers(self, shape):
+    """Every non-unit leaf axis appears (unbroadcast) in ``shape``."""
+    got = {d for d in self.nonunit(shape) if d is not None}
+    need = {d for d in self.remaining if self.leaf_shape[d] > 1}
+    return got == need
+
+
+def _unit_map(in_shape, out_shape):
+  """For a reshape that only inserts/removes unit axes: for each output axis
+  the input axis it is (or None for an inserted unit axis); None if the
+  reshape mixes axes."""
+  src = [i for i, n in enumerate(in_shape) if n != 1]
+  dst = [j for j, n in enumerate(out_shape) if n != 1]
+  if [in_shape[i] for i in src] != [out_shape[j] for j in dst]:
+    return None
+  mapping = [None] * len(out_shape)
+  for i, j in zip(src, dst):
+    mapping[j] = i
+  return mapping
+
+
+def layout_map(eqn):
+  """For a layout primitive: per output axis, the operand axis it comes
+  from (None: inserted or broadcast). None if not a pure layout change."""
+  name = eqn.primitive.name
+  in_shape = tuple(eqn.invars[0].aval.shape)
+  out_shape = tuple(eqn.outvars[0].aval.shape)
+  if name in IDENTITY_PRIMS:
+    return list(range(len(in_shape)))
+  if name == "transpose":
+    return list(eqn.params["permutation"])
+  if name in ("reshape", "squeeze", "expand_dims"):
+    if name == "reshape" and eqn.params.get("dimensions") is not None:
+      return None
+    return _unit_map(in_shape, out_shape)
+  if name == "broadcast_in_dim":
+    mapping = [None] * len(out_shape)
+    for i, j in enumerate(eqn.params["broadcast_dimensions"]):
+      mapping[j] = i if in_shape[i] == out_shape[j] else None
+    return mapping
+  return None
+
+
+def apply_layout(view, eqn):
+  """The view of ``eqn``'s output, or None when the layout is unsupported."""
+  mapping = layout_map(eqn)
+  if mapping is None:
+    return None
+  dims = tuple(None if m is None else view.dims[m] for m in mapping)
+  return dataclasses.replace(view, dims=dims)

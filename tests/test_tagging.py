@@ -1,0 +1,177 @@
+"""Tagging: the describe tables, and captured data vs per-example gradients."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import _tagging_models as M
+from kfac_jax_lite.tagging import describe, find_layers
+
+D, C, E, S = "dense", "conv", "embedding", "scale_and_shift"
+KD, KC, KE, SS = "KroneckerDense", "KroneckerConv", "KroneckerEmbedding", "ScaleAndShift"
+
+# model -> [(name, kind, block, params, uses, stack)] (params as path suffixes)
+EXPECTED = {
+    "jax_mlp": [("l1/w", D, KD, ("l1/w", "l1/b"), 1, None),
+                ("l2/w", D, KD, ("l2/w", "l2/b"), 1, None)],
+    "jax_cnn": [("c1", C, KC, ("c1", "c1b"), 1, None), ("c2", C, KC, ("c2",), 1, None),
+                ("c3", C, KC, ("c3",), 1, None), ("dense", D, KD, ("dense",), 1, None)],
+    "jax_text": [("embed", E, KE, ("embed",), 1, None),
+                 ("head/w", D, KD, ("head/w", "head/b"), 1, None)],
+    "jax_transformer": [
+        ("embed", E, KD, ("embed",), 2, None), ("k", D, KD, ("k",), 1, None),
+        ("ln1/scale", S, SS, ("ln1/scale", "ln1/bias"), 1, None),
+        ("ln2/scale", S, SS, ("ln2/scale", "ln2/bias"), 1, None),
+        ("mlp1/w", D, KD, ("mlp1/w", "mlp1/b"), 1, None),
+        ("mlp2/w", D, KD, ("mlp2/w", "mlp2/b"), 1, None),
+        ("o", D, KD, ("o",), 1, None), ("pos", S, SS, ("pos",), 1, None),
+        ("q", D, KD, ("q",), 1, None), ("v", D, KD, ("v",), 1, None)],
+    "jax_scan": [("cell", D, KD, ("cell",), 1, None), ("head", D, KD, ("head",), 1, None),
+                 ("inp", D, KD, ("inp",), 1, None), ("scale", S, SS, ("scale",), 1, None),
+                 ("stack/w", D, KD, ("stack/w", "stack/b"), 1, 3)],
+    "jax_cond": [("a", D, KD, ("a",), 1, None), ("b", D, KD, ("b",), 1, None)],
+    "linen_mlp": [
+        ("params/Dense_0/kernel", D, KD, ("params/Dense_0/kernel", "params/Dense_0/bias"), 1, None),
+        ("params/Dense_1/kernel", D, KD, ("params/Dense_1/kernel",), 1, None),
+        ("params/LayerNorm_0/scale", S, SS, ("params/LayerNorm_0/scale", "params/LayerNorm_0/bias"), 1, None)],
+    "linen_cnn": [
+        ("params/Conv_0/kernel", C, KC, ("params/Conv_0/kernel", "params/Conv_0/bias"), 1, None),
+        ("params/Conv_1/kernel", C, KC, ("params/Conv_1/kernel", "params/Conv_1/bias"), 1, None),
+        ("params/Conv_2/kernel", C, KC, ("params/Conv_2/kernel", "params/Conv_2/bias"), 1, None),
+        ("params/Dense_0/kernel", D, KD, ("params/Dense_0/kernel", "params/Dense_0/bias"), 1, None)],
+    "linen_transformer": [
+        ("params/Dense_0/kernel", D, KD, ("params/Dense_0/kernel", "params/Dense_0/bias"), 1, None),
+        ("params/Dense_1/kernel", D, KD, ("params/Dense_1/kernel", "params/Dense_1/bias"), 1, None),
+        ("params/Embed_0/embedding", E, KD, ("params/Embed_0/embedding",), 2, None),
+        ("params/LayerNorm_0/scale", S, SS, ("params/LayerNorm_0/scale", "params/LayerNorm_0/bias"), 1, None),
+        ("params/LayerNorm_1/scale", S, SS, ("params/LayerNorm_1/scale", "params/LayerNorm_1/bias"), 1, None)] + [
+        (f"params/SelfAttention_0/{n}/kernel", D, KD, (f"params/SelfAttention_0/{n}/kernel",
+         f"params/SelfAttention_0/{n}/bias"), 1, None) for n in ("key", "out", "query", "value")],
+    "linen_scan": [
+        ("params/Dense_0/kernel", D, KD, ("params/Dense_0/kernel", "params/Dense_0/bias"), 1, None),
+        ("params/ScanCell_0/Dense_0/kernel", D, KD, ("params/ScanCell_0/Dense_0/kernel",
+         "params/ScanCell_0/Dense_0/bias"), 1, 3)],
+    "nnx_mlp": [("l1/kernel", D, KD, ("l1/kernel", "l1/bias"), 1, None),
+                ("l2/kernel", D, KD, ("l2/kernel", "l2/bias"), 1, None),
+                ("norm/scale", S, SS, ("norm/scale",), 1, None)],
+    "haiku_mlp": [(f"mlp/~/linear_{i}/w", D, KD, (f"mlp/~/linear_{i}/w", f"mlp/~/linear_{i}/b"), 1, None)
+                  for i in range(2)],
+    "haiku_text": [("embed/embeddings", E, KE, ("embed/embeddings",), 1, None),
+                   ("layer_norm/scale", S, SS, ("layer_norm/scale", "layer_norm/offset"), 1, None),
+                   ("linear/w", D, KD, ("linear/w", "linear/b"), 1, None)],
+    "eqx_mlp": [(f"layers/{i}/weight", D, KD, (f"layers/{i}/weight", f"layers/{i}/bias"), 1, None)
+                for i in range(3)],
+    "eqx_cnn": [("0/weight", C, KC, ("0/weight", "0/bias"), 1, None),
+                ("1/weight", C, KC, ("1/weight", "1/bias"), 1, None),
+                ("2/weight", E, KE, ("2/weight",), 1, None),
+                ("3/weight", S, SS, ("3/weight", "3/bias"), 1, None),
+                ("4/weight", D, KD, ("4/weight", "4/bias"), 1, None)],
+}
+MODELS = sorted(EXPECTED)
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name):
+  return getattr(M, name)()
+
+
+@functools.lru_cache(maxsize=None)
+def _tagged(name):
+  loss, params, batch = _model(name)
+  return find_layers(loss, params, batch)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_describe_table(name):
+  loss, params, batch = _model(name)
+  rows = describe(loss, params, batch)
+  got = [(r.name, r.kind, r.block, r.params, r.uses, r.stack) for r in rows]
+  assert got == EXPECTED[name], str(rows)
+  assert all(r.kind != "fallback" for r in rows)
+  assert all(r.bytes > 0 and r.factors for r in rows)
+  assert "fallback" not in str(rows)
+
+
+def _flat_paths(tree):
+  from kfac_jax_lite.tagging import path_name
+  return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_captures_reproduce_per_example_grads(name):
+  loss, params, batch = _model(name)
+  tl = _tagged(name)
+  n = jax.tree.leaves(batch)[0].shape[0]
+
+  def stats(params, batch):  # eager: compiling each model costs more
+    l, _, caps, vjp = tl.value_and_stats_inputs(params, batch)
+    grads, probe_cts = vjp(jnp.ones_like(l))
+    cts = {k: v * n for k, v in probe_cts.items()}   # mean loss: c_i = 1/N
+    return l, grads, tl.per_example_grads(caps, cts)
+
+  l, grads, per_ex = stats(params, batch)
+  np.testing.assert_allclose(l, loss(params, batch), rtol=1e-5)
+  ref = jax.vmap(lambda ex: jax.grad(loss)(
+      params, jax.tree.map(lambda x: x[None], ex)))(batch)
+  ref, g = _flat_paths(ref), _flat_paths(grads)
+  gref = _flat_paths(jax.grad(loss)(params, batch))
+  assert set(per_ex) == set(ref)   # every parameter is in a detected layer
+  for path, x in per_ex.items():
+    np.testing.assert_allclose(x, ref[path], rtol=2e-4, atol=2e-5, err_msg=path)
+    np.testing.assert_allclose(g[path], gref[path], rtol=2e-4, atol=2e-5,
+                               err_msg=path)
+
+
+def _count(jaxpr, names):
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in names:
+      n += 1
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      n += _count(sub, names)
+  return n
+
+
+@pytest.mark.parametrize("name", ["jax_transformer", "jax_cnn", "jax_scan"])
+def test_one_forward_pass_under_jit(name):
+  """The stats+grad function has exactly the dots/convs of loss+grad."""
+  loss, params, batch = _model(name)
+  tl = _tagged(name)
+
+  def both(params, batch):
+    l, _, caps, vjp = tl.value_and_stats_inputs(params, batch)
+    return l, caps, vjp(jnp.ones_like(l))
+  ops = {"dot_general", "conv_general_dilated"}
+  ref = _count(jax.make_jaxpr(jax.jit(jax.value_and_grad(loss)))(params, batch).jaxpr, ops)
+  got = _count(jax.make_jaxpr(jax.jit(both))(params, batch).jaxpr, ops)
+  assert got == ref > 0
+
+
+def test_other_batch_size_and_stable_names():
+  loss, params, batch = _model("jax_transformer")
+  tl = _tagged("jax_transformer")
+  big = jax.tree.map(lambda x: jnp.concatenate([x, x]), batch)
+  l, _, caps = tl.apply(params, big, tl.zero_probes(params, big))
+  np.testing.assert_allclose(l, loss(params, big), rtol=1e-5)
+  again = find_layers(loss, params, big)
+  assert [x.name for x in again.layers] == [x.name for x in tl.layers]
+  assert [x.block for x in again.layers] == [x.block for x in tl.layers]
+
+
+def test_layer_data_feeds_compute_stats():
+  loss, params, batch = _model("jax_transformer")
+  tl = _tagged("jax_transformer")
+  l, _, caps, vjp = tl.value_and_stats_inputs(params, batch)
+  _, cts = vjp(jnp.ones_like(l))
+  data = tl.layer_data(caps, cts)
+  for layer in tl.detected:
+    stats = layer.block.compute_stats(*data[layer.name])
+    state = layer.block.update(layer.block.init(), stats, 0.9)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))
+  # With a samples axis on the cotangents (tied embedding included).
+  cts2 = {k: jnp.stack([v, 2 * v]) for k, v in cts.items()}
+  data2 = tl.layer_data(caps, cts2)
+  for layer in tl.detected:
+    layer.block.compute_stats(*data2[layer.name])
