@@ -327,6 +327,11 @@ class Analysis:
     roles = {"kernel": kv}
     probe_i, probe_aval, labels = i, out.aval, out_labels
     found = self._bias_add(out, tuple(out_labels), ctx, {("c", dn.out_spec[1])})
+    if found is not None and tuple(
+        ctx["jaxpr"].eqns[found[0]].outvars[0].aval.shape) != tuple(out.aval.shape):
+      # The conv block reads cotangents in the conv's output layout: a bias
+      # added after a reshape or slice stays a block of its own (a shift).
+      found = None
     if found is not None:
       j, bview, labels = found
       ctx["claimed"].add(j)

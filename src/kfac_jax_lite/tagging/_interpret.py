@@ -23,9 +23,16 @@ from kfac_jax_lite.tagging import _analysis
 class Plan:
   """Where to capture and probe, for the active uses of one trace."""
 
-  def __init__(self, uses):
+  def __init__(self, uses, losses=()):
     self.uses = {u.uid: u for u in uses}
     self.captures, self.probes, self.inside = {}, {}, {}
+    # Registered losses: the tag's annotations are captured and its output
+    # (the per-element loss values) is probed, under a negative uid.
+    self.losses = {}
+    for uid, key in losses:
+      self.losses[key] = uid
+      for n in range(1, len(key), 2):
+        self.inside.setdefault(key[:n], set()).add(uid)
     for u in uses:
       if u.capture_key is not None:
         self.captures.setdefault(u.capture_key, []).append(u.uid)
@@ -86,6 +93,10 @@ def run(plan, jaxpr, consts, args, prefix, probes, caps):
     else:
       outs = _bind(eqn, invals)
     for uid in plan.probes.get(key, ()):
+      outs[0] = outs[0] + probes[uid].astype(outs[0].dtype)
+    if key in plan.losses:
+      uid = plan.losses[key]
+      caps[uid] = tuple(invals[1:])  # The model outputs, then the targets.
       outs[0] = outs[0] + probes[uid].astype(outs[0].dtype)
     for v, x in zip(eqn.outvars, outs):
       env[v] = x

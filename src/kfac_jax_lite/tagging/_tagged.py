@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_jax_lite import losses
 from kfac_jax_lite.tagging import _analysis
 from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
@@ -63,6 +64,52 @@ class _Trace:
   uses: list
   opaque: list
   n_leaves: int
+  losses: list
+
+
+@dataclasses.dataclass(frozen=True)
+class LossTag:
+  """A registered loss found in the trace (``kfac_jax_lite.losses``).
+
+  ``uid`` keys its probe (on the per-element values) and its capture (the
+  model outputs followed by the targets) in ``apply``.
+  """
+
+  uid: int
+  key: tuple
+  distribution: Any
+  num_outputs: int
+  values_shape: tuple
+  values_dtype: Any
+
+
+def find_loss_tags(jaxpr, prefix=(), where=""):
+  """``[(key, eqn)]`` of every loss tag, through call-like nested jaxprs."""
+  found = []
+  for i, eqn in enumerate(jaxpr.eqns):
+    key = prefix + (i,)
+    if eqn.primitive is losses.loss_tag_p:
+      if where:
+        raise ValueError(f"a registered loss inside `{where}` is not "
+                         "supported; compute the loss outside it")
+      found.append((key, eqn))
+      continue
+    inner = _analysis._inner(eqn)
+    if inner is not None:
+      found += find_loss_tags(inner[0], key + (0,), where)
+    else:
+      for sub in _sub_jaxprs(eqn):
+        found += find_loss_tags(sub, key + (0,), eqn.primitive.name)
+  return found
+
+
+def _sub_jaxprs(eqn):
+  for v in eqn.params.values():
+    for j in (v if isinstance(v, (tuple, list)) else (v,)):
+      if hasattr(j, "eqns"):
+        yield j
+      elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+        yield j.jaxpr
 
 
 def _signature(u):
@@ -97,6 +144,7 @@ class TaggedLoss:
     self.layers, self.excluded = _layers.build_layers(
         tr.uses, tr.opaque, self.paths, self.leaf_shapes, _batch_size(batch),
         blocks or {}, tuple(exclude), self._options)
+    self.losses = tuple(tr.losses)
     self._active = sorted(u for l in self.layers for u in l.use_ids)
     self._signatures = {i: _signature(tr.uses[i]) for i in self._active}
 
@@ -137,12 +185,18 @@ class TaggedLoss:
     n = len(self.paths)
     uses, opaque = _analysis.analyse(
         closed.jaxpr, n, self.leaf_shapes, list(range(n)))
-    return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, n)
+    tags = [LossTag(-1 - j, key, eqn.params["distribution"],
+                    eqn.params["num_outputs"], tuple(eqn.outvars[0].aval.shape),
+                    eqn.outvars[0].aval.dtype)
+            for j, (key, eqn) in enumerate(find_loss_tags(closed.jaxpr))]
+    return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, n, tags)
 
   def _checked_trace(self, params, batch):
     tr = self._trace(params, batch)
-    for i in self._active:
-      if i >= len(tr.uses) or _signature(tr.uses[i]) != self._signatures[i]:
+    same_losses = [(t.key, t.distribution) for t in tr.losses] == [
+        (t.key, t.distribution) for t in self.losses]
+    for i in self._active if same_losses else [-1]:
+      if i < 0 or i >= len(tr.uses) or _signature(tr.uses[i]) != self._signatures[i]:
         raise RuntimeError(
             "layer detection differs from the one at construction (the "
             "loss traces differently for this batch); re-create the "
@@ -152,15 +206,21 @@ class TaggedLoss:
   # ------------------------------------------------------------ rewriting
   def zero_probes(self, params, batch):
     tr = self._checked_trace(params, batch)
-    return {i: jnp.zeros(F.stacked_shape(tr.uses[i], tr.uses[i].probe_aval),
-                         tr.uses[i].probe_aval.dtype) for i in self._active}
+    probes = {i: jnp.zeros(F.stacked_shape(tr.uses[i], tr.uses[i].probe_aval),
+                           tr.uses[i].probe_aval.dtype) for i in self._active}
+    for t in tr.losses:
+      probes[t.uid] = jnp.zeros(t.values_shape, t.values_dtype)
+    return probes
 
   def apply(self, params, batch, probes):
     """``(loss, aux, captures)``: the loss with ``probes`` added to the
-    layer outputs; ``captures[uid]`` the layer inputs (``aux`` None
+    layer outputs; ``captures[uid]`` the layer inputs, and for each
+    registered loss ``t`` in ``losses``, ``captures[t.uid]`` its model
+    outputs followed by its targets (``aux`` None
     without ``has_aux``)."""
     tr = self._checked_trace(params, batch)
-    plan = _interpret.Plan([tr.uses[i] for i in self._active])
+    plan = _interpret.Plan([tr.uses[i] for i in self._active],
+                           [(t.uid, t.key) for t in tr.losses])
     args = jax.tree.leaves((params, batch))
     caps = {}
     outs = _interpret.run(plan, tr.closed.jaxpr, tr.closed.consts, args, (),

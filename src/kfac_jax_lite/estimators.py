@@ -1,0 +1,273 @@
+"""Curvature estimators: the loss, its gradient and every block's statistics
+from one forward pass.
+
+For ``L = Σ_e c_e ℓ_e`` over the loss elements ``e`` of the registered
+losses (``c_e`` read from the backward pass to the losses' per-element
+values), example ``i`` has weight ``c_i = Σ_{e ∈ i} c_e``. Each block wants
+cotangents ``h_i`` of the layer output with ``G = Σ_i c_i E[h_i h_iᵀ]``
+(``blocks.base``). They are the backward pass of a cotangent ``d_e`` put on
+the model outputs of each element:
+
+    d_e = √(c_e / c_i) · u_e,   E[u_e u_eᵀ] = M_e,
+
+where ``M_e`` is the element's output curvature and ``u_e`` depends on the
+estimation mode:
+
+* ``"fisher"`` — ``u = ∇_o ℓ(o, t̃)`` with ``t̃`` sampled from the model
+  (``num_samples`` draws); ``M`` = the output Fisher.
+* ``"empirical"`` — ``u = ∇_o ℓ(o, t)`` with the data targets. Works without
+  a registered loss too: the layer cotangents of ``L`` itself are used,
+  assuming ``L`` is a mean over the batch (``c_i = 1/N``).
+* ``"curvature_prop"`` — ``u = B r`` with ``B Bᵀ = M`` and Rademacher ``r``
+  (Martens et al. 2012).
+* ``"exact"`` — every column of ``B`` (one batched backward pass over the
+  columns, ``vmap``-ed), so ``G`` is exact: ``Σ_k b_k b_kᵀ = M``.
+* ``"curvature_prop_ggn"``, ``"exact_ggn"`` — the same with ``B`` a square
+  root of the output Hessian (the generalized Gauss-Newton); it differs
+  from the Fisher only for losses not in natural parameters.
+
+Both backward passes (the gradient's and the statistics') reuse the
+residuals of the single forward pass (one ``jax.vjp``). Fallback blocks,
+which need parameter gradients rather than layer data, take the parameter
+gradient of ``Σ_e √c_e u_e`` (one more backward pass, only when there are
+fallbacks): its expected outer product is the curvature of ``L``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_lite import tagging
+
+ESTIMATIONS = ("fisher", "empirical", "curvature_prop", "exact",
+               "curvature_prop_ggn", "exact_ggn")
+
+
+class Estimate(NamedTuple):
+  """What one pass gives: ``stats`` maps each block name to its statistics,
+  ``weights`` are the examples' ``c_i``."""
+
+  loss: Any
+  aux: Any
+  grads: Any
+  stats: dict
+  weights: Any
+
+
+def check_estimation(estimation, num_samples=1):
+  if estimation not in ESTIMATIONS:
+    raise ValueError(f"estimation must be one of {ESTIMATIONS}, got "
+                     f"{estimation!r}")
+  if not (isinstance(num_samples, int) and num_samples >= 1):
+    raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+
+
+def _per_example(c_elem, n):
+  """``c_i``: a loss's element weights summed over all but the batch axis."""
+  return c_elem.reshape(n, -1).sum(-1) if c_elem.ndim else jnp.broadcast_to(
+      c_elem, (n,))
+
+
+def _broadcast(w, x, event_ndims):
+  """``w`` (shaped like the loss values) against an output with events."""
+  return w.reshape(w.shape + (1,) * event_ndims)
+
+
+def _directions(tag, outs, targets, mode, key, num_samples):
+  """``u`` for one loss: a tuple over its outputs of ``[S, *output.shape]``."""
+  dist = tag.distribution
+  if mode in ("fisher", "empirical"):
+    def grad_at(k):
+      t = dist.sample(k, outs) if mode == "fisher" else targets
+      return jax.grad(lambda o: jnp.sum(dist.loss(o, t)))(outs)
+    return jax.vmap(grad_at)(jax.random.split(key, num_samples))
+  roots = (dist.ggn_sqrt(outs, targets) if mode.endswith("_ggn")
+           else dist.fisher_sqrt(outs))
+  if mode.startswith("exact"):
+    return _columns(roots, tag.values_shape)
+  def project(k):
+    r = jax.random.rademacher(k, tag.values_shape + (roots[0].shape[-1],),
+                              roots[0].dtype)
+    return tuple(jnp.einsum("...k,...k->...", b, _broadcast_r(r, b)) for b in roots)
+  return jax.vmap(project)(jax.random.split(key, num_samples))
+
+
+def _columns(roots, values_shape):
+  """All columns of ``B``, one loss element of each example at a time.
+
+  Elements of one example are independent (their cross terms vanish in
+  the Fisher), so each column touches one element position: ``E·K``
+  columns for ``E`` elements per example and ``K`` columns per element.
+  """
+  e, k = math.prod(values_shape[1:]), roots[0].shape[-1]
+  mask = jnp.eye(e, dtype=roots[0].dtype).reshape((e, 1, 1) + values_shape[1:])
+  cols = []
+  for b in roots:  # [*values, *event, K]
+    bk = jnp.moveaxis(b, -1, 0)  # [K, *values, *event]
+    m = mask.reshape(mask.shape + (1,) * (bk.ndim - 1 - len(values_shape)))
+    cols.append((m * bk[None]).reshape((e * k,) + bk.shape[1:]))
+  return tuple(cols), e * k
+
+
+def _broadcast_r(r, b):
+  """Rademacher draws per element ``[*values, K]`` against ``B [..., K]``."""
+  extra = b.ndim - r.ndim
+  return r.reshape(r.shape[:-1] + (1,) * extra + r.shape[-1:])
+
+
+def _output_cotangents(tagged, caps, c_elems, c_i, mode, key, num_samples,
+                       scale_by_example):
+  """``[S, ...]`` cotangents on every registered loss's model outputs."""
+  per_loss, counts = [], []
+  keys = jax.random.split(key, len(tagged.losses))
+  for tag, c_elem, k in zip(tagged.losses, c_elems, keys):
+    outs = caps[tag.uid][:tag.num_outputs]
+    targets = caps[tag.uid][tag.num_outputs:]
+    u = _directions(tag, outs, targets, mode, k, num_samples)
+    if mode.startswith("exact"):
+      u, count = u
+    else:
+      count = num_samples
+    w = jnp.maximum(c_elem, 0)
+    if scale_by_example:  # √(c_e / c_i), zero for weightless examples.
+      ci = c_i.reshape((-1,) + (1,) * (c_elem.ndim - 1))
+      w = jnp.where(ci > 0, w / jnp.where(ci > 0, ci, 1), 0)
+    root = jnp.sqrt(w).astype(jnp.float32)
+    per_loss.append(tuple(
+        x * _broadcast(root, x, x.ndim - 1 - root.ndim).astype(x.dtype)
+        for x in u))
+    counts.append(count)
+  if not mode.startswith("exact"):
+    return tuple(per_loss), num_samples
+  # Exact: the columns of all losses, each loss's beside zeros for the
+  # others, scaled by √S so that the blocks' mean over S is the sum.
+  total = sum(counts)
+  stacked = []
+  for j, (d, count) in enumerate(zip(per_loss, counts)):
+    stacked.append([
+        tuple(x * math.sqrt(total) for x in d) if i == j else
+        tuple(jnp.zeros((count,) + x.shape[1:], x.dtype) for x in other)
+        for i, other in enumerate(per_loss)])
+  joined = tuple(
+      tuple(jnp.concatenate([stacked[j][i][o] for j in range(len(counts))])
+            for o in range(len(per_loss[i])))
+      for i in range(len(per_loss)))
+  return joined, total
+
+
+def _block_stats(tagged, data, c_i, samples, layer):
+  block = layer.block
+  weights = c_i
+  if type(block).__name__ in ("Full", "NaiveDiagonal"):
+    weights = jnp.tile(c_i, samples) / samples
+  fn = lambda *d: block.compute_stats(*d, weights=weights)
+  for _ in range(1 if layer.stack else 0):
+    fn = jax.vmap(fn)
+  return fn(*data)
+
+
+def _fallback_stats(tagged, param_grads):
+  """Naive blocks of fallback layers from ``[S, ...]`` parameter gradients."""
+  leaves = dict(zip(tagged.paths, jax.tree.leaves(param_grads)))
+  stats = {}
+  for layer in tagged.layers:
+    if layer.kind == "fallback":
+      grads = tuple(leaves[p].reshape((leaves[p].shape[0],) + tuple(s))
+                    for p, s in zip(layer.params, layer.block.param_shapes))
+      stats[layer.name] = layer.block.compute_stats(grads)
+  return stats
+
+
+def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
+             estimation="fisher", num_samples=1) -> Estimate:
+  """One forward pass: loss, gradient and statistics; see the module doc."""
+  check_estimation(estimation, num_samples)
+  probes = tagged.zero_probes(params, batch)
+
+  def f(p, pr):
+    loss, aux, caps = tagged.apply(p, batch, pr)
+    outs = tuple(caps[t.uid][:t.num_outputs] for t in tagged.losses)
+    return (loss, outs), (aux, caps)
+
+  (loss, outs), vjp_fn, (aux, caps) = jax.vjp(f, params, probes, has_aux=True)
+  zero_outs = jax.tree.map(jnp.zeros_like, outs)
+  grads, probe_ct = vjp_fn((jnp.ones_like(loss), zero_outs))
+  layer_uids = [u for u in probes if u >= 0]
+  has_fallbacks = any(l.kind == "fallback" for l in tagged.layers)
+
+  if not tagged.losses:
+    if estimation != "empirical":
+      raise ValueError(
+          f"estimation={estimation!r} needs a registered loss: compute the "
+          "loss with kfl.softmax_cross_entropy, "
+          "kfl.softmax_cross_entropy_with_integer_labels, "
+          "kfl.sigmoid_binary_cross_entropy, kfl.squared_error (or "
+          "kfl.registered_loss), or use estimation='empirical'")
+    n = _batch_size(batch)
+    c_i = jnp.full((n,), 1.0 / n, jnp.float32)
+    cots = {u: probe_ct[u][None] * n for u in layer_uids}
+    stats = _layer_stats(tagged, caps, cots, c_i, 1)
+    if has_fallbacks:
+      stats.update(_fallback_stats(
+          tagged, jax.tree.map(lambda g: g[None] * math.sqrt(n), grads)))
+    return Estimate(loss, aux, grads, stats, c_i)
+
+  c_elems = [probe_ct[t.uid].astype(jnp.float32) for t in tagged.losses]
+  n = tagged.losses[0].values_shape[0] if tagged.losses[0].values_shape else 1
+  c_i = sum(_per_example(c, n) for c in c_elems)
+  k_layers, k_fallback = jax.random.split(key)
+  d, samples = _output_cotangents(tagged, caps, c_elems, c_i, estimation,
+                                  k_layers, num_samples, True)
+  zero_loss = jnp.zeros_like(loss)
+  back = jax.vmap(lambda dd: vjp_fn((zero_loss, dd)))
+  _, h = back(d)
+  stats = _layer_stats(tagged, caps, {u: h[u] for u in layer_uids}, c_i,
+                       samples)
+  if has_fallbacks:
+    d_fb, _ = _output_cotangents(tagged, caps, c_elems, c_i, estimation,
+                                 k_fallback, num_samples, False)
+    fb_grads, _ = back(d_fb)
+    stats.update(_fallback_stats(tagged, fb_grads))
+  return Estimate(loss, aux, grads, stats, c_i)
+
+
+def _layer_stats(tagged, caps, cots, c_i, samples):
+  data = tagged.layer_data(caps, cots)
+  return {l.name: _block_stats(tagged, data[l.name], c_i, samples, l)
+          for l in tagged.detected}
+
+
+def _batch_size(batch):
+  sizes = {x.shape[0] for x in jax.tree.leaves(batch) if jnp.ndim(x)}
+  if len(sizes) != 1:
+    raise ValueError("estimation='empirical' without a registered loss needs "
+                     "a batch whose arrays share one leading batch size, got "
+                     f"{sorted(sizes)}")
+  return sizes.pop()
+
+
+def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
+                         num_samples=1, has_aux=False, blocks=None,
+                         exclude=(), weight_sharing="expand",
+                         damping_mode="pi"):
+  """``fn(params, batch, key) -> Estimate`` for ``loss_fn``.
+
+  Traces ``loss_fn(params, batch)`` once here to find its layers
+  (``fn.tagged`` holds them and their blocks); ``fn`` is pure and jittable.
+  The loss and gradient equal ``jax.value_and_grad(loss_fn)``'s.
+  """
+  check_estimation(estimation, num_samples)
+  tagged = tagging.find_layers(loss_fn, params, batch, has_aux=has_aux,
+                               blocks=blocks, exclude=exclude,
+                               weight_sharing=weight_sharing,
+                               damping_mode=damping_mode)
+
+  def fn(params, batch, key):
+    return estimate(tagged, params, batch, key, estimation=estimation,
+                    num_samples=num_samples)
+
+  fn.tagged = tagged
+  return fn
