@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kfac_jax_lite import blocks
 from kfac_jax_lite import tagging
 
 ESTIMATIONS = ("fisher", "empirical", "curvature_prop", "exact",
@@ -158,15 +159,14 @@ def _output_cotangents(tagged, caps, c_elems, c_i, mode, key, num_samples,
   return joined, total
 
 
-def _block_stats(tagged, data, c_i, samples, layer):
+def _block_stats(data, c_i, samples, layer):
+  """One block's statistics; stacked layers (``scan``) map over the stack."""
   block = layer.block
   weights = c_i
-  if type(block).__name__ in ("Full", "NaiveDiagonal"):
-    weights = jnp.tile(c_i, samples) / samples
+  if isinstance(block, (blocks.Full, blocks.NaiveDiagonal)):
+    weights = jnp.tile(c_i, samples) / samples  # Data is [S·N, ...].
   fn = lambda *d: block.compute_stats(*d, weights=weights)
-  for _ in range(1 if layer.stack else 0):
-    fn = jax.vmap(fn)
-  return fn(*data)
+  return (jax.vmap(fn) if layer.stack else fn)(*data)
 
 
 def _fallback_stats(tagged, param_grads):
@@ -236,17 +236,16 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
 
 def _layer_stats(tagged, caps, cots, c_i, samples):
   data = tagged.layer_data(caps, cots)
-  return {l.name: _block_stats(tagged, data[l.name], c_i, samples, l)
+  return {l.name: _block_stats(data[l.name], c_i, samples, l)
           for l in tagged.detected}
 
 
 def _batch_size(batch):
-  sizes = {x.shape[0] for x in jax.tree.leaves(batch) if jnp.ndim(x)}
-  if len(sizes) != 1:
+  n = tagging._tagged._batch_size(batch)
+  if n is None:
     raise ValueError("estimation='empirical' without a registered loss needs "
-                     "a batch whose arrays share one leading batch size, got "
-                     f"{sorted(sizes)}")
-  return sizes.pop()
+                     "a batch whose arrays share one leading batch size")
+  return n
 
 
 def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",

@@ -11,7 +11,6 @@ any reduction is handled without telling the library.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -104,5 +103,3 @@ def find_loss_tags(jaxpr) -> list:
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   return [e for e in jaxpr.eqns if e.primitive is loss_tag_p]
 
-
-del jax
