@@ -77,7 +77,7 @@ def _broadcast(w, x, event_ndims):
   return w.reshape(w.shape + (1,) * event_ndims)
 
 
-def _directions(tag, outs, targets, mode, key, num_samples):
+def _directions(tag, outs, targets, values_shape, mode, key, num_samples):
   """``u`` for one loss: a tuple over its outputs of ``[S, *output.shape]``."""
   dist = tag.distribution
   if mode in ("fisher", "empirical"):
@@ -88,9 +88,9 @@ def _directions(tag, outs, targets, mode, key, num_samples):
   roots = (dist.ggn_sqrt(outs, targets) if mode.endswith("_ggn")
            else dist.fisher_sqrt(outs))
   if mode.startswith("exact"):
-    return _columns(roots, tag.values_shape)
+    return _columns(roots, values_shape)
   def project(k):
-    r = jax.random.rademacher(k, tag.values_shape + (roots[0].shape[-1],),
+    r = jax.random.rademacher(k, values_shape + (roots[0].shape[-1],),
                               roots[0].dtype)
     return tuple(jnp.einsum("...k,...k->...", b, _broadcast_r(r, b)) for b in roots)
   return jax.vmap(project)(jax.random.split(key, num_samples))
@@ -127,7 +127,8 @@ def _output_cotangents(tagged, caps, c_elems, c_i, mode, key, num_samples,
   for tag, c_elem, k in zip(tagged.losses, c_elems, keys):
     outs = caps[tag.uid][:tag.num_outputs]
     targets = caps[tag.uid][tag.num_outputs:]
-    u = _directions(tag, outs, targets, mode, k, num_samples)
+    u = _directions(tag, outs, targets, tuple(c_elem.shape), mode, k,
+                    num_samples)
     if mode.startswith("exact"):
       u, count = u
     else:
@@ -216,7 +217,7 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
     return Estimate(loss, aux, grads, stats, c_i)
 
   c_elems = [probe_ct[t.uid].astype(jnp.float32) for t in tagged.losses]
-  n = tagged.losses[0].values_shape[0] if tagged.losses[0].values_shape else 1
+  n = c_elems[0].shape[0] if c_elems[0].ndim else 1
   c_i = sum(_per_example(c, n) for c in c_elems)
   k_layers, k_fallback = jax.random.split(key)
   d, samples = _output_cotangents(tagged, caps, c_elems, c_i, estimation,

@@ -1,0 +1,192 @@
+"""``kfl.kfac`` as an optax transformation on one device."""
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_lite as kfl
+
+SIZES = (5, 8, 3)
+N = 16
+
+
+def init_params(dtype=jnp.float32):
+  keys = jax.random.split(jax.random.PRNGKey(0), len(SIZES) - 1)
+  return {f"dense{i}": {"w": (jax.random.normal(k, (a, b)) / np.sqrt(a)).astype(dtype),
+                        "b": jnp.zeros(b, dtype)}
+          for i, (k, a, b) in enumerate(zip(keys, SIZES[:-1], SIZES[1:]))}
+
+
+def loss_fn(params, batch):
+  h = batch["x"].astype(params["dense0"]["w"].dtype)
+  for i in range(len(SIZES) - 1):
+    layer = params[f"dense{i}"]
+    h = h @ layer["w"] + layer["b"]
+    if i < len(SIZES) - 2:
+      h = jnp.tanh(h)
+  return kfl.softmax_cross_entropy_with_integer_labels(
+      h.astype(jnp.float32), batch["y"]).mean()
+
+
+def make_batch(seed, n=N):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  x = jax.random.normal(k1, (n, SIZES[0]))
+  return {"x": x, "y": jnp.argmax(x[:, :SIZES[-1]], -1)}
+
+
+BATCH = make_batch(0)
+
+
+def train(tx, steps, params=None, batches=None, state=None):
+  params = init_params() if params is None else params
+  state = tx.init(params) if state is None else state
+
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params, batch=batch)
+    return optax.apply_updates(params, updates), state, loss
+
+  losses = []
+  for i in range(steps):
+    batch = BATCH if batches is None else batches[i]
+    params, state, loss = step(params, state, batch)
+    losses.append(float(loss))
+  return params, state, losses
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "clip"])
+def test_chains_with_optax_and_trains(name):
+  kfac = kfl.kfac(loss_fn, BATCH, damping=1e-2, inverse_every=3)
+  tx = {"sgd": optax.chain(kfac, optax.sgd(0.1, momentum=0.9)),
+        "adam": optax.chain(kfac, optax.adam(3e-2)),
+        "clip": optax.chain(optax.clip_by_global_norm(1.0), kfac,
+                            optax.sgd(0.1, momentum=0.9))}[name]
+  _, state, losses = train(tx, 30)
+  assert losses[-1] < 0.5 * losses[0], losses
+  kstate = state[1] if name == "clip" else state[0]
+  assert int(kstate.count) == 30 and int(kstate.num_bad_grads) == 0
+
+
+def test_first_update_is_the_natural_gradient_of_the_exact_blocks():
+  tx = kfl.kfac(loss_fn, BATCH, damping=0.1, estimation="exact", cov_decay=0.5,
+                damping_mode="exact")
+  params = init_params()
+  grads = jax.grad(loss_fn)(params, BATCH)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params, batch=BATCH)
+  fn = kfl.value_grad_and_stats(loss_fn, params, BATCH, estimation="exact",
+                                damping_mode="exact")
+  est = fn(params, BATCH, jax.random.PRNGKey(1))
+  for layer in fn.tagged.layers:
+    block = layer.block
+    bstate = block.update(block.init(), est.stats[layer.name], 0.5)
+    dense = block.to_dense(bstate)
+    g = jnp.concatenate([grads[layer.name.split("/")[0]][k].ravel()
+                         for k in ("w", "b")])
+    want = jnp.linalg.solve(dense + 0.1 * jnp.eye(len(g)), g)
+    got = jnp.concatenate([updates[layer.name.split("/")[0]][k].ravel()
+                           for k in ("w", "b")])
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-5)
+
+
+def test_state_round_trips_and_training_resumes_bit_for_bit():
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH, damping=1e-2, inverse_every=4),
+                   optax.sgd(0.1, momentum=0.9))
+  batches = [make_batch(i) for i in range(10)]
+  full_params, full_state, _ = train(tx, 10, batches=batches)
+  params, state, _ = train(tx, 5, batches=batches[:5])
+  blob = flax.serialization.to_bytes((params, state))
+  template = (init_params(), tx.init(init_params()))
+  params2, state2 = flax.serialization.from_bytes(template, blob)
+  params2, state2, _ = train(tx, 5, params=params2, state=state2,
+                             batches=batches[5:])
+  for a, b in zip(jax.tree.leaves((full_params, full_state)),
+                  jax.tree.leaves((params2, state2))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_nan_batch_is_survived_and_counted():
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH, damping=1e-2, inverse_every=2),
+                   optax.sgd(0.1, momentum=0.9))
+  bad = dict(BATCH, x=BATCH["x"].at[0, 0].set(jnp.nan))
+  batches = [BATCH] * 3 + [bad] + [BATCH] * 6
+  params, state, losses = train(tx, 10, batches=batches)
+  assert int(state[0].num_bad_grads) == 1
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves((params, state)))
+  assert losses[-1] < losses[0]
+  skipped = [int(f.num_skipped) for f in jax.tree.leaves(
+      state[0].blocks, is_leaf=lambda x: isinstance(x, kfl.FactorState))
+      if isinstance(f, kfl.FactorState)]
+  assert skipped and all(s == 1 for s in skipped)
+
+
+def test_bf16_parameters_train_with_float32_factors():
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH, damping=1e-2),
+                   optax.sgd(0.1, momentum=0.9))
+  params, state, losses = train(tx, 20, params=init_params(jnp.bfloat16))
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
+  factors = jax.tree.leaves(state[0].blocks)
+  assert all(x.dtype in (jnp.float32, jnp.int32) for x in factors)
+  assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_precomputed_stats_share_the_forward_pass():
+  params = init_params()
+  tx = kfl.kfac(loss_fn, BATCH, damping=1e-2)
+  fn = kfl.value_grad_and_stats(loss_fn, params, BATCH)
+  key = jax.random.PRNGKey(3)
+  est = fn(params, BATCH, key)
+  state = tx.init(params)
+  u1, _ = tx.update(est.grads, state, params, stats=est.stats)
+  # Same statistics computed inside update (its own key) differ only by sampling;
+  # with the exact estimator they agree.
+  tx_exact = kfl.kfac(loss_fn, BATCH, damping=1e-2, estimation="exact")
+  fn_exact = kfl.value_grad_and_stats(loss_fn, params, BATCH, estimation="exact")
+  est = fn_exact(params, BATCH, key)
+  a, _ = tx_exact.update(est.grads, tx_exact.init(params), params, stats=est.stats)
+  b, _ = tx_exact.update(est.grads, tx_exact.init(params), params, batch=BATCH)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(u1))
+
+
+def test_options_power_norm_constraint_fraction_schedule():
+  params = init_params()
+  grads = jax.grad(loss_fn)(params, BATCH)
+  base = dict(estimation="exact", damping=0.1)
+  full, _ = kfl.kfac(loss_fn, BATCH, **base).update(
+      grads, kfl.kfac(loss_fn, BATCH, **base).init(params), params, batch=BATCH)
+  tx = kfl.kfac(loss_fn, BATCH, norm_constraint=1e-6, **base)
+  clipped, _ = tx.update(grads, tx.init(params), params, batch=BATCH)
+  dot = lambda a: sum(jnp.vdot(u, g) for u, g in zip(jax.tree.leaves(a),
+                                                     jax.tree.leaves(grads)))
+  # The clipped update s·u has s²⟨u, g⟩ = s² uᵀFu = the constraint.
+  scale = dot(clipped) / dot(full)
+  np.testing.assert_allclose(scale ** 2 * dot(full), 1e-6, rtol=1e-3)
+  ratio = jax.tree.leaves(clipped)[0] / jax.tree.leaves(full)[0]
+  np.testing.assert_allclose(ratio, ratio.ravel()[0], rtol=1e-4)
+  tx = kfl.kfac(loss_fn, BATCH, precon_power=-0.5, **base)
+  half, _ = tx.update(grads, tx.init(params), params, batch=BATCH)
+  assert not np.allclose(jax.tree.leaves(half)[0], jax.tree.leaves(full)[0])
+  schedule = optax.exponential_decay(1.0, 1, 0.1)
+  tx = kfl.kfac(loss_fn, BATCH, damping=schedule, stats_fraction=0.25,
+                inverse_every=1, estimation="exact")
+  _, state, losses = train(optax.chain(tx, optax.sgd(0.05)), 5)
+  assert int(state[0].count) == 5 and np.isfinite(losses[-1])
+
+
+def test_bad_arguments_are_named():
+  with pytest.raises(ValueError, match="stats_fraction"):
+    kfl.kfac(loss_fn, BATCH, stats_fraction=0.0)
+  with pytest.raises(ValueError, match="inverse_every"):
+    kfl.kfac(loss_fn, BATCH, inverse_every=0)
+  tx = kfl.kfac(loss_fn, BATCH)
+  params = init_params()
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="batch="):
+    tx.update(jax.grad(loss_fn)(params, BATCH), state, params)
+  with pytest.raises(ValueError, match="batch structure"):
+    tx.update(jax.grad(loss_fn)(params, BATCH), state, params,
+              batch=(BATCH["x"], BATCH["y"]))
