@@ -14,6 +14,7 @@ from kfac_jax_lite.losses import (
     softmax_cross_entropy, softmax_cross_entropy_with_integer_labels,
     squared_error)
 from kfac_jax_lite.estimators import ESTIMATIONS, Estimate, value_grad_and_stats
+from kfac_jax_lite.optimizer import KfacOptimizerState, kfac_optimizer
 from kfac_jax_lite.transform import KfacState, kfac
 from kfac_jax_lite.tagging import Layer, TaggedLoss, describe, find_layers
 from kfac_jax_lite.factor import (
@@ -28,7 +29,7 @@ __all__ = [
     "ScaleAndShift", "blocks", "damped_cholesky", "damped_matpower",
     "factor_value", "init_factor", "multiply", "multiply_inverse",
     "multiply_matpower", "refresh_cache", "update_cov",
-    "KfacState", "kfac", "ESTIMATIONS", "Estimate", "value_grad_and_stats",
+    "KfacOptimizerState", "kfac_optimizer", "KfacState", "kfac", "ESTIMATIONS", "Estimate", "value_grad_and_stats",
     "Layer", "TaggedLoss", "describe", "find_layers",
     "PredictiveDistribution", "gaussian_nll", "l2_loss", "registered_loss",
     "sigmoid_binary_cross_entropy", "softmax_cross_entropy",

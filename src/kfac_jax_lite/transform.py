@@ -125,7 +125,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
   ``has_aux``); ``example_batch`` (arrays or ``jax.ShapeDtypeStruct``s) is
   only traced to find the layers. ``blocks``/``exclude`` override the
   detected blocks per path or kind (see ``kfl.find_layers``).
-  ``update(grads, state, params, *, batch=None, stats=None)``.
+  ``update(grads, state, params, *, batch=None, stats=None, damping=None)``;
+  a ``damping`` given there overrides the configured one for that step.
   """
   estimators.check_estimation(estimation, num_samples)
   if not 0 < stats_fraction <= 1:
@@ -133,7 +134,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
   for name, value in (("cov_every", cov_every), ("inverse_every", inverse_every)):
     if not (isinstance(value, int) and value >= 1):
       raise ValueError(f"{name} must be a positive int, got {value!r}")
-  damping_fn = damping if callable(damping) else (lambda _: damping)
+  default_damping = damping
+  damping_fn = damping if callable(damping) else (lambda _: default_damping)
   cache: dict = {}
 
   def layers_for(params) -> _Layers:
@@ -154,14 +156,15 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
         num_bad_updates=jnp.zeros((), jnp.int32))
 
   def update_fn(grads, state, params=None, *, batch=None, stats=None,
-                **extra_args):
+                damping=None, **extra_args):
     del extra_args
     if params is None:
       raise ValueError("kfac needs params: call tx.update(grads, state, params, "
                        "batch=batch)")
     lay = layers_for(params)
     key, stats_key = jax.random.split(state.key)
-    lam = jnp.asarray(damping_fn(state.count), jnp.float32)
+    lam = jnp.asarray(damping_fn(state.count) if damping is None else damping,
+                      jnp.float32)
     if stats is None and batch is None:
       raise ValueError("kfac.update needs batch= (or precomputed stats=)")
     if batch is not None and jax.tree.structure(batch) != lay.tagged.batch_treedef:
