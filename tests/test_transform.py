@@ -190,3 +190,52 @@ def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match="batch structure"):
     tx.update(jax.grad(loss_fn)(params, BATCH), state, params,
               batch=(BATCH["x"], BATCH["y"]))
+
+
+def test_stacked_scan_layers_and_a_flax_model_train():
+  import flax.linen as nn
+
+  # Three residual layers stacked along lax.scan: one block per slice.
+  def scan_loss(params, batch):
+    def layer(h, p):
+      return h + jnp.tanh(h @ p["w"] + p["b"]), None
+    h = batch["x"] @ params["inp"]
+    h, _ = jax.lax.scan(layer, h, params["stack"])
+    return kfl.softmax_cross_entropy_with_integer_labels(
+        h @ params["out"], batch["y"]).mean()
+
+  key = jax.random.PRNGKey(0)
+  params = {"inp": jax.random.normal(key, (5, 4)) / 3,
+            "stack": {"w": jax.random.normal(key, (3, 4, 4)) / 4,
+                      "b": jnp.zeros((3, 4))},
+            "out": jax.random.normal(key, (4, 3)) / 2}
+  names = {l.name: (l.kind, l.stack) for l in kfl.find_layers(
+      scan_loss, params, BATCH).layers}
+  assert names["stack/w"] == ("dense", 3)
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.LayerNorm()(nn.tanh(nn.Dense(8)(x)))
+      return nn.Dense(3)(x)
+
+  model = Model()
+  flax_params = model.init(key, BATCH["x"])
+  flax_loss = lambda p, b: kfl.softmax_cross_entropy_with_integer_labels(
+      model.apply(p, b["x"]), b["y"]).mean()
+  for fn, p in ((scan_loss, params), (flax_loss, flax_params)):
+    tx = optax.chain(kfl.kfac(fn, BATCH, damping=1e-2),
+                     optax.sgd(0.05, momentum=0.9))
+    state = tx.init(p)
+
+    @jax.jit
+    def step(p, state):
+      loss, grads = jax.value_and_grad(fn)(p, BATCH)
+      updates, state = tx.update(grads, state, p, batch=BATCH)
+      return optax.apply_updates(p, updates), state, loss
+
+    losses = []
+    for _ in range(25):
+      p, state, loss = step(p, state)
+      losses.append(float(loss))
+    assert losses[-1] < 0.6 * losses[0], losses
