@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax_lite import tagging
 from kfac_jax_lite import transform
 
 
@@ -107,17 +106,14 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
   tagged_cache = {}
 
   def tagged_for(params):
-    leaves, treedef = jax.tree.flatten(params)
-    sig = (treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
-    if sig not in tagged_cache:
-      tagged_cache[sig] = tagging.find_layers(
-          loss_fn, params, example_batch, has_aux=has_aux,
-          blocks=kfac_options.get("blocks"),
-          exclude=kfac_options.get("exclude", ()))
-      if not tagged_cache[sig].losses:
-        raise ValueError("kfac_optimizer needs a registered loss (e.g. "
-                         "kfl.softmax_cross_entropy) for its quadratic model")
-    return tagged_cache[sig]
+    tagged = transform.find_layers_cached(
+        tagged_cache, loss_fn, params, example_batch, has_aux=has_aux,
+        blocks=kfac_options.get("blocks"),
+        exclude=kfac_options.get("exclude", ()))
+    if not tagged.losses:
+      raise ValueError("kfac_optimizer needs a registered loss (e.g. "
+                       "kfl.softmax_cross_entropy) for its quadratic model")
+    return tagged
 
   def value(params, batch):
     out = loss_fn(params, batch)

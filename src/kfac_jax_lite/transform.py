@@ -54,13 +54,21 @@ class KfacState(NamedTuple):
 def _slice_batch(batch, fraction):
   if fraction >= 1.0:
     return batch
-  sizes = {x.shape[0] for x in jax.tree.leaves(batch) if jnp.ndim(x)}
-  if len(sizes) != 1:
+  n = tagging._tagged._batch_size(batch)
+  if n is None:
     raise ValueError("stats_fraction < 1 needs batch arrays that share one "
-                     f"leading batch size, got {sorted(sizes)}")
-  n = sizes.pop()
+                     "leading batch size")
   k = max(1, int(round(n * fraction)))
   return jax.tree.map(lambda x: x[:k] if jnp.ndim(x) else x, batch)
+
+
+def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):
+  """``tagging.find_layers``, once per params structure, shapes and dtypes."""
+  leaves, treedef = jax.tree.flatten(params)
+  sig = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+  if sig not in cache:
+    cache[sig] = tagging.find_layers(loss_fn, params, example_batch, **options)
+  return cache[sig]
 
 
 def _stacked(layer, fn):
@@ -137,16 +145,16 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
   default_damping = damping
   damping_fn = damping if callable(damping) else (lambda _: default_damping)
   cache: dict = {}
+  layers: dict = {}
 
   def layers_for(params) -> _Layers:
-    leaves, treedef = jax.tree.flatten(params)
-    sig = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
-    if sig not in cache:
-      cache[sig] = _Layers(tagging.find_layers(
-          loss_fn, params, example_batch, has_aux=has_aux, blocks=blocks,
-          exclude=exclude, weight_sharing=weight_sharing,
-          damping_mode=damping_mode))
-    return cache[sig]
+    tagged = find_layers_cached(
+        cache, loss_fn, params, example_batch, has_aux=has_aux, blocks=blocks,
+        exclude=exclude, weight_sharing=weight_sharing,
+        damping_mode=damping_mode)
+    if tagged not in layers:
+      layers[tagged] = _Layers(tagged)
+    return layers[tagged]
 
   def init_fn(params):
     return KfacState(
