@@ -171,6 +171,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
                        "batch=batch)")
     lay = layers_for(params)
     key, stats_key = jax.random.split(state.key)
+    if axis_name is not None:  # Independent samples on every device.
+      stats_key = jax.random.fold_in(stats_key, jax.lax.axis_index(axis_name))
     lam = jnp.asarray(damping_fn(state.count) if damping is None else damping,
                       jnp.float32)
     if stats is None and batch is None:

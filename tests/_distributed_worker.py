@@ -1,0 +1,506 @@
+"""Subprocess worker for ``tests/test_distributed.py``.
+
+The main pytest process may already have initialised JAX with a single CPU
+device, so every multi-device scenario runs here, in a fresh interpreter
+whose device count is fixed (``--devices``, put into ``XLA_FLAGS`` before
+JAX is imported). The worker prints one line ``RESULT <json>`` on stdout
+(arrays as nested lists); the tests compare the numbers.
+
+    python tests/_distributed_worker.py --devices 8 pmap
+    python tests/_distributed_worker.py --devices 2 multihost --port P --process-id I
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                   "src")
+
+
+def _setup(devices: int):
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  flags.append(f"--xla_force_host_platform_device_count={devices}")
+  os.environ["XLA_FLAGS"] = " ".join(flags)
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  if SRC not in sys.path:
+    sys.path.insert(0, SRC)
+
+
+def emit(result):
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+# ---------------------------------------------------------------------------
+# Model, data and training loops (imported lazily: JAX must see XLA_FLAGS).
+
+SIZES = (6, 8, 8, 4)   # three dense layers (kernel + bias): three blocks
+DEEP = (4,) * 11       # ten dense layers: ten blocks, more than 8 devices
+N = 32                 # global batch: 4 examples per device on 8 devices
+
+
+def init_params(sizes=SIZES):
+  import jax
+  import numpy as np
+  keys = jax.random.split(jax.random.PRNGKey(0), len(sizes) - 1)
+  return {f"dense{i}": {"w": jax.random.normal(k, (a, b)) / np.sqrt(a),
+                        "b": 0.1 * jax.random.normal(jax.random.fold_in(k, 1),
+                                                     (b,))}
+          for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))}
+
+
+def make_loss(sizes=SIZES):
+  import jax.numpy as jnp
+  import kfac_jax_lite as kfl
+
+  def loss_fn(params, batch):
+    h = batch["x"]
+    for i in range(len(sizes) - 1):
+      h = h @ params[f"dense{i}"]["w"] + params[f"dense{i}"]["b"]
+      if i < len(sizes) - 2:
+        h = jnp.tanh(h)
+    return kfl.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+  return loss_fn
+
+
+def make_batch(seed, n=N, sizes=SIZES):
+  import jax
+  import jax.numpy as jnp
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  x = jax.random.normal(k1, (n, sizes[0]))
+  y = (jnp.argmax(x[:, :sizes[-1]], -1)
+       + jax.random.bernoulli(k2, 0.2, (n,))) % sizes[-1]  # some label noise
+  return {"x": x, "y": y.astype(jnp.int32)}
+
+
+def make_tx(loss_fn, batch, axis_name=None, estimation="exact", blocks=None,
+            lr=0.1, **kw):
+  import optax
+  import kfac_jax_lite as kfl
+  # inverse_every=2: refreshes at steps 0, 2, 4, ... (several per run).
+  kfac = kfl.kfac(loss_fn, batch, damping=1e-2, estimation=estimation,
+                  cov_decay=0.9, inverse_every=2, axis_name=axis_name,
+                  blocks=blocks, **kw)
+  return optax.chain(kfac, optax.sgd(lr, momentum=0.9))
+
+
+def tolist(tree):
+  import jax
+  import numpy as np
+  return jax.tree.map(lambda x: np.asarray(x).tolist(), tree)
+
+
+def caches(kstate):
+  """The factors of every block: statistics and cached decompositions."""
+  import jax
+  import kfac_jax_lite as kfl
+  out = {}
+  for name, bstate in kstate.blocks.items():
+    factors = jax.tree.leaves(bstate, is_leaf=lambda x: isinstance(
+        x, kfl.FactorState))
+    for j, f in enumerate(factors):
+      for field in ("cov", "weight", "eigvals", "eigvecs", "matpower",
+                    "cache_step", "num_failed"):
+        out[f"{name}/{j}/{field}"] = getattr(f, field)
+  return out
+
+
+def run_single(loss_fn, params, batches, tx, state=None):
+  """Plain ``jit`` on one device (or on whatever sharding the inputs have)."""
+  import jax
+  import optax
+
+  @jax.jit
+  def step(params, state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params, batch=batch)
+    return optax.apply_updates(params, updates), state, updates
+
+  state = tx.init(params) if state is None else state
+  history = []
+  for batch in batches:
+    params, state, updates = step(params, state, batch)
+    history.append(updates)
+  return params, state, history
+
+
+def pmap_step(loss_fn, tx, axis="i"):
+  import jax
+  import optax
+
+  def step(params, state, batch):
+    grads = jax.lax.pmean(jax.grad(loss_fn)(params, batch), axis)
+    updates, state = tx.update(grads, state, params, batch=batch)
+    return optax.apply_updates(params, updates), state, updates
+  return jax.pmap(step, axis_name=axis)
+
+
+def pmap_sharding(devices, axis="i"):
+  """How ``pmap`` (built on ``jit`` over a 1-D mesh) lays out its outputs;
+  inputs placed the same way do not trigger a second compilation."""
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  return NamedSharding(Mesh(np.array(devices), (axis,)), P(axis))
+
+
+def run_pmap(loss_fn, params, batches, tx, devices=None):
+  """``pmap`` over ``devices`` (default: all), each batch split evenly."""
+  import jax
+  devices = jax.local_devices() if devices is None else devices
+  n = len(devices)
+  step = pmap_step(loss_fn, tx)
+  put = lambda t: jax.device_put(t, pmap_sharding(devices))
+  split = lambda b: put(jax.tree.map(
+      lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), b))
+  state = put(replicate(tx.init(params), n))
+  params = put(replicate(params, n))
+  history = []
+  for batch in batches:
+    params, state, updates = step(params, state, split(batch))
+    history.append(updates)
+  return params, state, history
+
+
+def replicate(tree, n):
+  """``tree`` stacked ``n`` times along a new leading (device) axis."""
+  import jax
+  import numpy as np
+  return jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), tree)
+
+
+def per_device_spread(tree):
+  """Max |device k - device 0| over a pmapped tree (0 if replicated)."""
+  import jax
+  import numpy as np
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(x)[:1])))
+             if np.size(x) else 0.0 for x in jax.tree.leaves(tree))
+
+
+def first(tree):
+  import jax
+  return jax.tree.map(lambda x: x[0], tree)
+
+
+# ---------------------------------------------------------------------------
+# Scenarios.
+
+STEPS = 5  # refreshes (inverse_every=2) at steps 0, 2 and 4
+
+
+def scenario_pmap(args):
+  """pmap (8 devices, axis_name) vs one device on the whole batch; exact."""
+  import jax
+  import numpy as np
+  loss_fn = make_loss()
+  params = init_params()
+  batches = [make_batch(s) for s in range(STEPS)]
+  tx1 = make_tx(loss_fn, batches[0])
+  txp = make_tx(loss_fn, batches[0], axis_name="i")
+  p1, s1, h1 = run_single(loss_fn, params, batches, tx1)
+  pp, sp, hp = run_pmap(loss_fn, params, batches, txp)
+  result = {
+      "devices": jax.device_count(),
+      "single_updates": tolist(h1), "pmap_updates": tolist([first(u) for u in hp]),
+      "single_params": tolist(p1), "pmap_params": tolist(first(pp)),
+      "single_caches": tolist(caches(s1[0])),
+      "pmap_caches": tolist(caches(first(sp[0]))),
+      "pmap_spread": per_device_spread((pp, sp, hp)),
+      "pmap_count": int(first(sp[0].count)),
+  }
+  # Fisher (sampled targets) under pmap: each device samples its own
+  # targets, so it cannot match the single-device run; it must run and stay
+  # finite.
+  txf = make_tx(loss_fn, batches[0], axis_name="i", estimation="fisher")
+  pf, sf, hf = run_pmap(loss_fn, params, batches, txf)
+  result["fisher_finite"] = all(bool(np.all(np.isfinite(np.asarray(x))))
+                                for x in jax.tree.leaves((pf, sf, hf)))
+  result["fisher_bad"] = [int(first(sf[0].num_bad_grads)),
+                          int(first(sf[0].num_bad_updates))]
+  result["fisher_spread"] = per_device_spread((pf, sf))
+  emit(result)
+
+
+def scenario_shard_map(args):
+  """The same step under ``jax.shard_map`` over a Mesh of 8 (axis "data").
+
+  Run with ``check_vma=False``; whether the default ``check_vma=True``
+  traces is reported separately (``vma_error``).
+  """
+  import jax
+  import optax
+  from jax.sharding import Mesh, PartitionSpec as P
+  loss_fn = make_loss()
+  params = init_params()
+  batches = [make_batch(s) for s in range(STEPS)]
+  tx1 = make_tx(loss_fn, batches[0])
+  txs = make_tx(loss_fn, batches[0], axis_name="data")
+  p1, s1, h1 = run_single(loss_fn, params, batches, tx1)
+  mesh = Mesh(jax.devices(), ("data",))
+
+  def step(params, state, batch):
+    grads = jax.lax.pmean(jax.grad(loss_fn)(params, batch), "data")
+    updates, state = txs.update(grads, state, params, batch=batch)
+    return optax.apply_updates(params, updates), state, updates
+
+  def mapped(check_vma):
+    return jax.jit(jax.shard_map(step, mesh=mesh,
+                                 in_specs=(P(), P(), P("data")),
+                                 out_specs=P(), check_vma=check_vma))
+  try:
+    jax.eval_shape(mapped(True), params, txs.init(params), batches[0])
+    vma_error = None
+  except Exception as e:  # noqa: BLE001
+    vma_error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+  run = mapped(False)
+  state = txs.init(params)
+  ps, hs = params, []
+  for batch in batches:
+    ps, state, updates = run(ps, state, batch)
+    hs.append(updates)
+  emit({"single_updates": tolist(h1), "shard_map_updates": tolist(hs),
+        "single_caches": tolist(caches(s1[0])),
+        "shard_map_caches": tolist(caches(state[0])),
+        "vma_error": vma_error})
+
+
+SPLIT_CONFIGS = {
+    # Cholesky fast path: only ``matpower`` (and the bookkeeping) is cached.
+    "pi": dict(damping_mode="pi", precon_power=-1.0),
+    # eigh of both factors, then the damped matrix power p = -1/2 from it:
+    # ``eigvals``, ``eigvecs`` and ``matpower`` cached.
+    "pi_sqrt": dict(damping_mode="pi", precon_power=-0.5),
+}
+
+
+def scenario_split_refresh(args):
+  """One refresh step from the same state: split over 8 devices vs not.
+
+  Both start from the single-device state after ``STEPS`` steps; the step
+  is made a refresh-only step (count a multiple of ``inverse_every`` but
+  not of ``cov_every``), so both decompose identical factors and only the
+  split (``lax.cond`` on the owner + ``psum`` of the caches) differs.
+  """
+  import jax
+  import jax.numpy as jnp
+  import kfac_jax_lite as kfl
+  loss_fn = make_loss()
+  params = init_params()
+  batches = [make_batch(s) for s in range(STEPS)]
+  n = jax.device_count()
+  batch = make_batch(99)
+  rep = lambda t: replicate(t, n)
+  split = lambda b: jax.tree.map(lambda x: x.reshape((n, -1) + x.shape[1:]), b)
+  # The factor statistics do not depend on the damping mode or power.
+  p1, s1, _ = run_single(loss_fn, params, batches, make_tx(loss_fn, batches[0]))
+  kstate = s1[0]._replace(count=jnp.asarray(6, jnp.int32))
+  grads = jax.grad(loss_fn)(p1, batch)
+  result = {}
+  for label, cfg in SPLIT_CONFIGS.items():
+    # A damping other than the training's, so every cache really changes.
+    kw = dict(damping=5e-2, estimation="exact", cov_every=7, inverse_every=3,
+              **cfg)
+    tx1 = kfl.kfac(loss_fn, batches[0], **kw)
+    txp = kfl.kfac(loss_fn, batches[0], axis_name="i", **kw)
+    u1, n1 = jax.jit(tx1.update)(grads, kstate, p1, batch=batch)
+    up, npm = jax.pmap(lambda g, s, p, b: txp.update(g, s, p, batch=b),
+                       axis_name="i")(rep(grads), rep(kstate), rep(p1),
+                                      split(batch))
+    result[label] = {
+        "before": tolist(caches(kstate)), "single": tolist(caches(n1)),
+        "split": tolist(caches(first(npm))),
+        "single_updates": tolist(u1), "split_updates": tolist(first(up)),
+        "spread": per_device_spread((up, npm))}
+  emit(result)
+
+
+def _counting_blocks(log_axis):
+  """A ``blocks=`` override wrapping each dense block's ``refresh`` so that
+  every execution calls back to the host with (device, block, step)."""
+  import jax
+  calls: list = []
+
+  @dataclasses.dataclass(frozen=True)
+  class Counting:
+    inner: Any
+    name: str
+
+    def __getattr__(self, attr):
+      return getattr(self.inner, attr)
+
+    def refresh(self, state, damping, exp=-1.0, step=0):
+      dev = jax.lax.axis_index(log_axis) if log_axis else 0
+      jax.debug.callback(
+          lambda d, s, name=self.name: calls.append((int(d), name, int(s))),
+          dev, step)
+      return self.inner.refresh(state, damping, exp, step)
+
+  return {"dense": lambda info: Counting(info.block, info.name)}, calls
+
+
+def scenario_count(args):
+  """Refresh executions per device, counted at runtime with a callback.
+
+  Three blocks (5 steps: refreshes at steps 0, 2, 4), pmapped and on one
+  device; ten blocks (3 steps: refreshes at steps 0, 2), pmapped only.
+  """
+  import jax
+  import kfac_jax_lite as kfl
+  result = {"devices": jax.device_count()}
+  for label, sizes, steps, single in (("three", SIZES, STEPS, True),
+                                      ("ten", DEEP, 3, False)):
+    loss_fn = make_loss(sizes)
+    params = init_params(sizes)
+    batches = [make_batch(s, sizes=sizes) for s in range(steps)]
+    layer_names = [l.name for l in kfl.find_layers(
+        loss_fn, params, batches[0]).layers]
+    blocks, calls = _counting_blocks("i")
+    run_pmap(loss_fn, params, batches,
+             make_tx(loss_fn, batches[0], axis_name="i", blocks=blocks))
+    jax.effects_barrier()
+    result[label] = {"layers": layer_names, "steps": steps,
+                     "pmap_calls": sorted(calls)}
+    if single:
+      blocks1, calls1 = _counting_blocks(None)
+      run_single(loss_fn, params, batches,
+                 make_tx(loss_fn, batches[0], blocks=blocks1))
+      jax.effects_barrier()
+      result[label]["single_calls"] = sorted(calls1)
+  emit(result)
+
+
+def scenario_jit_sharded(args):
+  """``jit`` on a batch sharded over a Mesh of 8 (no axis_name) vs unsharded."""
+  import jax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  loss_fn = make_loss()
+  params = init_params()
+  batches = [make_batch(s) for s in range(STEPS)]
+  tx = make_tx(loss_fn, batches[0])
+  p1, s1, h1 = run_single(loss_fn, params, batches, tx)
+  mesh = Mesh(jax.devices(), ("data",))
+  data, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  sharded = [jax.device_put(b, data) for b in batches]
+  ps, ss, hs = run_single(loss_fn, jax.device_put(params, rep), sharded, tx,
+                          state=jax.device_put(tx.init(params), rep))
+  emit({"batch_sharding": str(sharded[0]["x"].sharding),
+        "batch_devices": len(sharded[0]["x"].sharding.device_set),
+        "shard_shape": list(sharded[0]["x"].addressable_shards[0].data.shape),
+        "single_updates": tolist(h1), "sharded_updates": tolist(hs),
+        "single_params": tolist(p1), "sharded_params": tolist(ps),
+        "single_caches": tolist(caches(s1[0])),
+        "sharded_caches": tolist(caches(ss[0]))})
+
+
+MULTIHOST_STEPS = 20
+
+
+def _multihost_batches():
+  return [make_batch(s) for s in range(MULTIHOST_STEPS)]
+
+
+def scenario_reference4(args):
+  """The multi-host run's reference: one process, pmap over 4 devices."""
+  import jax
+  loss_fn = make_loss()
+  batches = _multihost_batches()
+  tx = make_tx(loss_fn, batches[0], axis_name="i", lr=0.05)
+  pp, sp, _ = run_pmap(loss_fn, init_params(), batches, tx)
+  tx1 = make_tx(loss_fn, batches[0], lr=0.05)
+  p1, _, _ = run_single(loss_fn, init_params(), batches, tx1)
+  emit({"devices": jax.device_count(), "params": tolist(first(pp)),
+        "single_device_params": tolist(p1),
+        "spread": per_device_spread(pp), "count": int(first(sp[0].count))})
+
+
+def scenario_multihost(args):
+  """One of several processes: pmap over all global devices, axis "i".
+
+  Each process feeds its local devices their slice of the global batch
+  (process p owns global rows [p·n_local·m, (p+1)·n_local·m) with m rows
+  per device); statistics, gradients and caches are combined across
+  processes by the collectives. Refreshes are counted per global device.
+  """
+  import jax
+  try:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  except Exception as e:  # noqa: BLE001
+    emit({"skip": f"gloo CPU collectives unavailable: {e!r}"})
+    return
+  try:
+    jax.distributed.initialize(f"127.0.0.1:{args.port}",
+                               num_processes=args.num_processes,
+                               process_id=args.process_id,
+                               initialization_timeout=args.init_timeout)
+    jax.devices()  # Creates the CPU client and its gloo collectives.
+  except Exception as e:  # noqa: BLE001
+    if "gloo" not in str(e).lower():
+      raise
+    emit({"skip": f"gloo CPU collectives unavailable: {e!r}"})
+    return
+  import numpy as np
+  n_local, n_global = jax.local_device_count(), jax.device_count()
+  loss_fn = make_loss()
+  batches = _multihost_batches()
+  blocks, calls = _counting_blocks("i")
+  tx = make_tx(loss_fn, batches[0], axis_name="i", lr=0.05, blocks=blocks)
+  step = pmap_step(loss_fn, tx)
+  m = N // n_global
+  lo = jax.process_index() * n_local * m
+  # Global arrays laid out as pmap lays out its outputs (no recompilation).
+  sharding = pmap_sharding(jax.devices())
+  put = lambda t: jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(sharding, x), t)
+
+  def local(b):
+    return put(jax.tree.map(lambda x: np.asarray(x)[lo:lo + n_local * m].reshape(
+        (n_local, m) + x.shape[1:]), b))
+
+  params = put(replicate(init_params(), n_local))
+  state = put(replicate(tx.init(init_params()), n_local))
+  for batch in batches:
+    params, state, _ = step(params, state, local(batch))
+  jax.effects_barrier()
+  local_params = [jax.tree.map(lambda x: np.asarray(x.addressable_shards[k].data)[0],
+                               params) for k in range(n_local)]
+  local_count = jax.tree.map(lambda x: int(np.asarray(
+      x.addressable_shards[0].data)[0]), state[0].count)
+  spread = max(float(np.max(np.abs(a - b))) for p in local_params[1:]
+               for a, b in zip(jax.tree.leaves(p),
+                               jax.tree.leaves(local_params[0])))
+  emit({"process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "local_devices": n_local, "global_devices": n_global,
+        "local_device_ids": [d.id for d in jax.local_devices()],
+        "params": tolist(local_params[0]), "spread": spread,
+        "count": local_count, "calls": sorted(calls)})
+  jax.distributed.shutdown()
+
+
+SCENARIOS = {
+    "pmap": scenario_pmap, "shard_map": scenario_shard_map,
+    "split_refresh": scenario_split_refresh, "count": scenario_count,
+    "jit_sharded": scenario_jit_sharded, "reference4": scenario_reference4,
+    "multihost": scenario_multihost,
+}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser()
+  parser.add_argument("scenario", choices=sorted(SCENARIOS))
+  parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--port", type=int, default=0)
+  parser.add_argument("--process-id", type=int, default=0)
+  parser.add_argument("--num-processes", type=int, default=2)
+  parser.add_argument("--init-timeout", type=int, default=60)
+  args = parser.parse_args(argv)
+  _setup(args.devices)
+  SCENARIOS[args.scenario](args)
+
+
+if __name__ == "__main__":
+  main()
