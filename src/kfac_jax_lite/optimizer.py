@@ -53,21 +53,25 @@ def _tree_dot(a, b):
 
 
 def _curvature_forms(tagged, params, batch, directions, curvature):
-  """``V_iᵀ (Jᵀ H J) V_j`` for the stacked ``directions`` [2, ...]."""
+  """``(V_iᵀ (Jᵀ H J) V_j, L(θ))`` for the stacked ``directions`` [2, ...].
+
+  Two passes: a backward one for the loss weights ``c`` (and the loss) and
+  a linearized forward one for ``J V`` (and the targets).
+  """
   probes = tagged.zero_probes(params, batch)
 
   def outputs(p):
     _, _, caps = tagged.apply(p, batch, probes)
-    return tuple(caps[t.uid][:t.num_outputs] for t in tagged.losses)
+    return (tuple(caps[t.uid][:t.num_outputs] for t in tagged.losses),
+            caps)
 
   def loss_of_probes(pr):
     return tagged.apply(params, batch, pr)[0]
 
-  c = jax.grad(loss_of_probes)(probes)
-  outs, jvp_fn = jax.linearize(outputs, params)
+  loss, c = jax.value_and_grad(loss_of_probes)(probes)
+  outs, jvp_fn, caps = jax.linearize(outputs, params, has_aux=True)
   jv = jax.vmap(jvp_fn)(directions)
   total = 0.0
-  _, _, caps = tagged.apply(params, batch, probes)
   for j, t in enumerate(tagged.losses):
     dist = t.distribution
     targets = caps[t.uid][t.num_outputs:]
@@ -81,7 +85,7 @@ def _curvature_forms(tagged, params, batch, directions, curvature):
       proj = proj + prod.sum(axis=tuple(range(1 + c_e.ndim, 1 + c_e.ndim + event)))
     # proj [2, *values, K]: Bᵀ J v per element.
     total = total + jnp.einsum("i...k,j...k,...->ij", proj, proj, c_e)
-  return total
+  return total, loss
 
 
 def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
@@ -137,7 +141,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     first = kstate.count == 1
     vel = state.velocity
     dirs = jax.tree.map(lambda a, b: jnp.stack([a, b.astype(a.dtype)]), delta, vel)
-    forms = _curvature_forms(tagged, params, batch, dirs, curvature)
+    forms, loss = _curvature_forms(tagged, params, batch, dirs, curvature)
     gram = jnp.array([[_tree_dot(delta, delta), _tree_dot(delta, vel)],
                       [_tree_dot(vel, delta), _tree_dot(vel, vel)]])
     b = jnp.array([_tree_dot(grads, delta), _tree_dot(grads, vel)])
@@ -156,7 +160,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
 
     def adapt(lam):
       new_loss = value(optax.apply_updates(params, step), batch)
-      rho = (new_loss - value(params, batch)) / jnp.where(
+      rho = (new_loss - loss) / jnp.where(
           model_change < 0, model_change, -1e-30)
       rho = jnp.where(jnp.isfinite(rho), rho, -jnp.inf)
       lam = jnp.where(rho > 0.75, lam * omega, jnp.where(rho < 0.25, lam / omega, lam))
