@@ -81,8 +81,6 @@ class _Layers:
   def __init__(self, tagged: tagging.TaggedLoss):
     self.tagged = tagged
     self.layers = tagged.layers
-    covered = {i for l in self.layers for i in l.leaves}
-    self.passthrough = [i for i in range(len(tagged.paths)) if i not in covered]
 
   def init(self):
     states = {}
