@@ -7,7 +7,7 @@ import pytest
 
 import kfac_jax_lite as kfl
 from kfac_jax_lite import distributions as dists
-from kfac_jax_lite import losses
+from kfac_jax_lite.tagging._tagged import find_loss_tags
 
 KEY = jax.random.PRNGKey(0)
 LOGITS = jax.random.normal(KEY, (4, 3))
@@ -38,7 +38,8 @@ def test_same_values_and_gradients_as_optax(name, args):
 def test_the_tag_is_in_the_jaxpr_with_outputs_and_targets():
   jaxpr = jax.make_jaxpr(
       lambda x: kfl.softmax_cross_entropy(x, ONE_HOT).mean())(LOGITS)
-  (eqn,) = losses.find_loss_tags(jaxpr)
+  ((key, eqn),) = find_loss_tags(jaxpr.jaxpr)
+  assert key == (len(jaxpr.jaxpr.eqns) - 3,)  # Before the sum and the divide.
   assert isinstance(eqn.params["distribution"], dists.Categorical)
   assert [v.aval.shape for v in eqn.invars] == [(4,), (4, 3), (4, 3)]
 

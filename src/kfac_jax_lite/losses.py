@@ -96,10 +96,3 @@ def l2_loss(predictions, targets=None):
 def gaussian_nll(mean, variance, targets):
   """``½ log(2π·variance) + (targets - mean)²/(2·variance)``, elementwise."""
   return registered_loss(dists.NormalMeanVariance(), (mean, variance), targets)
-
-
-def find_loss_tags(jaxpr) -> list:
-  """The ``loss_tag`` equations of a (closed) jaxpr, at its top level."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  return [e for e in jaxpr.eqns if e.primitive is loss_tag_p]
-
