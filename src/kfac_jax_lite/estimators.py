@@ -72,19 +72,15 @@ def _per_example(c_elem, n):
       c_elem, (n,))
 
 
-def _broadcast(w, x, event_ndims):
-  """``w`` (shaped like the loss values) against an output with events."""
-  return w.reshape(w.shape + (1,) * event_ndims)
-
-
 def _directions(tag, outs, targets, values_shape, mode, key, num_samples):
-  """``u`` for one loss: a tuple over its outputs of ``[S, *output.shape]``."""
+  """``(u, S)`` for one loss: ``u`` a tuple over its outputs of
+  ``[S, *output.shape]``, S the samples (or, exactly, the columns)."""
   dist = tag.distribution
   if mode in ("fisher", "empirical"):
     def grad_at(k):
       t = dist.sample(k, outs) if mode == "fisher" else targets
       return jax.grad(lambda o: jnp.sum(dist.loss(o, t)))(outs)
-    return jax.vmap(grad_at)(jax.random.split(key, num_samples))
+    return jax.vmap(grad_at)(jax.random.split(key, num_samples)), num_samples
   roots = (dist.ggn_sqrt(outs, targets) if mode.endswith("_ggn")
            else dist.fisher_sqrt(outs))
   if mode.startswith("exact"):
@@ -93,7 +89,7 @@ def _directions(tag, outs, targets, values_shape, mode, key, num_samples):
     r = jax.random.rademacher(k, values_shape + (roots[0].shape[-1],),
                               roots[0].dtype)
     return tuple(jnp.einsum("...k,...k->...", b, _broadcast_r(r, b)) for b in roots)
-  return jax.vmap(project)(jax.random.split(key, num_samples))
+  return jax.vmap(project)(jax.random.split(key, num_samples)), num_samples
 
 
 def _columns(roots, values_shape):
@@ -127,19 +123,15 @@ def _output_cotangents(tagged, caps, c_elems, c_i, mode, key, num_samples,
   for tag, c_elem, k in zip(tagged.losses, c_elems, keys):
     outs = caps[tag.uid][:tag.num_outputs]
     targets = caps[tag.uid][tag.num_outputs:]
-    u = _directions(tag, outs, targets, tuple(c_elem.shape), mode, k,
-                    num_samples)
-    if mode.startswith("exact"):
-      u, count = u
-    else:
-      count = num_samples
+    u, count = _directions(tag, outs, targets, tuple(c_elem.shape), mode, k,
+                           num_samples)
     w = jnp.maximum(c_elem, 0)
     if scale_by_example:  # √(c_e / c_i), zero for weightless examples.
       ci = c_i.reshape((-1,) + (1,) * (c_elem.ndim - 1))
       w = jnp.where(ci > 0, w / jnp.where(ci > 0, ci, 1), 0)
     root = jnp.sqrt(w).astype(jnp.float32)
-    per_loss.append(tuple(
-        x * _broadcast(root, x, x.ndim - 1 - root.ndim).astype(x.dtype)
+    per_loss.append(tuple(  # x: [S, *values, *event]; root: [*values].
+        x * root.reshape(root.shape + (1,) * (x.ndim - 1 - root.ndim)).astype(x.dtype)
         for x in u))
     counts.append(count)
   if not mode.startswith("exact"):
