@@ -63,10 +63,6 @@ def is_diagonal(state: FactorState) -> bool:
   return state.cov.ndim == state.eigvals.ndim
 
 
-def factor_dim(state: FactorState) -> int:
-  return state.eigvals.shape[-1]
-
-
 def factor_value(state: FactorState) -> Array:
   """The debiased estimate ``C = S / W`` (zeros before the first update)."""
   safe = jnp.where(state.weight > 0, state.weight, 1)
