@@ -68,6 +68,12 @@ class PredictiveDistribution:
     return self.fisher_sqrt(outputs)
 
 
+def at_least_f32(x):
+  """``x`` as a float of at least 32 bits (float64 stays float64)."""
+  x = jnp.asarray(x)
+  return x.astype(jnp.result_type(jnp.float32, x.dtype))
+
+
 def psd_sqrt(hessian):
   """``B`` with ``B Bᵀ = H₊`` for symmetric ``H [..., n, n]`` (eigenvalues clipped)."""
   w, q = jnp.linalg.eigh(hessian)
@@ -95,7 +101,7 @@ class Categorical(PredictiveDistribution):
 
   def fisher_sqrt(self, outputs):
     # diag(p) - p pᵀ = B Bᵀ with B[v, k] = √p_k (δ_vk - p_v).
-    p = jax.nn.softmax(outputs[0].astype(jnp.float32), axis=-1)
+    p = jax.nn.softmax(at_least_f32(outputs[0]), axis=-1)
     eye = jnp.eye(p.shape[-1], dtype=p.dtype)
     return ((eye - p[..., :, None]) * jnp.sqrt(p)[..., None, :],)
 
@@ -114,7 +120,7 @@ class Bernoulli(PredictiveDistribution):
     return (jax.random.bernoulli(key, jax.nn.sigmoid(logits)).astype(logits.dtype),)
 
   def fisher_sqrt(self, outputs):
-    p = jax.nn.sigmoid(outputs[0].astype(jnp.float32))
+    p = jax.nn.sigmoid(at_least_f32(outputs[0]))
     return (jnp.sqrt(p * (1 - p))[..., None],)
 
 
@@ -141,8 +147,8 @@ class Normal(PredictiveDistribution):
     return (o + jnp.sqrt(self.variance) * jax.random.normal(key, o.shape, o.dtype),)
 
   def fisher_sqrt(self, outputs):
-    o = outputs[0]
-    return (jnp.full(o.shape + (1,), 1 / jnp.sqrt(self.variance), jnp.float32),)
+    o = at_least_f32(outputs[0])
+    return (jnp.full(o.shape + (1,), 1 / jnp.sqrt(self.variance), o.dtype),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,14 +173,14 @@ class NormalMeanVariance(PredictiveDistribution):
     return (mean + jnp.sqrt(var) * jax.random.normal(key, mean.shape, mean.dtype),)
 
   def fisher_sqrt(self, outputs):
-    mean, var = (o.astype(jnp.float32) for o in outputs)
+    mean, var = (at_least_f32(o) for o in outputs)
     zero = jnp.zeros_like(mean)
     return (jnp.stack([1 / jnp.sqrt(var), zero], -1),
-            jnp.stack([zero, 1 / (jnp.sqrt(2.0) * var)], -1))
+            jnp.stack([zero, 1 / (jnp.sqrt(jnp.asarray(2.0, var.dtype)) * var)], -1))
 
   def ggn_sqrt(self, outputs, targets):
-    mean, var = (o.astype(jnp.float32) for o in outputs)
-    r = targets[0].astype(jnp.float32) - mean
+    mean, var = (at_least_f32(o) for o in outputs)
+    r = at_least_f32(targets[0]) - mean
     h = jnp.stack([jnp.stack([1 / var, r / var**2], -1),
                    jnp.stack([r / var**2, r**2 / var**3 - 1 / (2 * var**2)], -1)],
                   -2)

@@ -15,9 +15,16 @@ estimation mode:
 
 * ``"fisher"`` — ``u = ∇_o ℓ(o, t̃)`` with ``t̃`` sampled from the model
   (``num_samples`` draws); ``M`` = the output Fisher.
-* ``"empirical"`` — ``u = ∇_o ℓ(o, t)`` with the data targets. Works without
-  a registered loss too: the layer cotangents of ``L`` itself are used,
-  assuming ``L`` is a mean over the batch (``c_i = 1/N``).
+* ``"empirical"`` — the textbook empirical Fisher ``Σ_i c_i ∇ℓ_i ∇ℓ_iᵀ``
+  of the per-example losses ``ℓ_i = Σ_{e∈i} (c_e / c_i) ℓ_e`` (the
+  leading batch index is the example) at the data targets: the elements of
+  one example are not independent here, so ``d_e = (c_e / c_i) ∇_o ℓ_e(o,
+  t)`` (no square root) and ``h_i`` is ``∇ℓ_i``'s layer cotangent. It works
+  without a registered loss too: the layer cotangents of ``L`` itself are
+  used, assuming ``L`` is a mean over the batch (``c_i = 1/N``, ``h_i = N
+  ∂L/∂y_i``), so ``kfl.squared_error(o, t).mean()`` and ``jnp.mean((o -
+  t) ** 2)`` give the same statistics. Fallback blocks see ``√N ∇L`` in
+  both cases.
 * ``"curvature_prop"`` — ``u = B r`` with ``B Bᵀ = M`` and Rademacher ``r``
   (Martens et al. 2012).
 * ``"exact"`` — every column of ``B`` (one batched backward pass over the
@@ -31,6 +38,10 @@ residuals of the single forward pass (one ``jax.vjp``). Fallback blocks,
 which need parameter gradients rather than layer data, take the parameter
 gradient of ``Σ_e √c_e u_e`` (one more backward pass, only when there are
 fallbacks): its expected outer product is the curvature of ``L``.
+
+Every quantity keeps the parameters' precision: ``c``, the square roots
+and the cotangents are at least float32 and stay float64 under
+``jax_enable_x64``.
 """
 from __future__ import annotations
 
@@ -126,13 +137,21 @@ def _output_cotangents(tagged, caps, c_elems, c_i, mode, key, num_samples,
     u, count = _directions(tag, outs, targets, tuple(c_elem.shape), mode, k,
                            num_samples)
     w = jnp.maximum(c_elem, 0)
-    if scale_by_example:  # √(c_e / c_i), zero for weightless examples.
+    if mode == "empirical" and scale_by_example:
+      # ∇_o ℓ_i = Σ_{e∈i} (c_e / c_i) ∇_o ℓ_e: the example's own gradient.
       ci = c_i.reshape((-1,) + (1,) * (c_elem.ndim - 1))
-      w = jnp.where(ci > 0, w / jnp.where(ci > 0, ci, 1), 0)
-    root = jnp.sqrt(w).astype(jnp.float32)
+      root = jnp.where(ci > 0, w / jnp.where(ci > 0, ci, 1), 0)
+    elif mode == "empirical":  # √N ∇_o L, as without a registered loss.
+      root = w * math.sqrt(c_i.shape[0])
+    elif scale_by_example:  # √(c_e / c_i), zero for weightless examples.
+      ci = c_i.reshape((-1,) + (1,) * (c_elem.ndim - 1))
+      root = jnp.sqrt(jnp.where(ci > 0, w / jnp.where(ci > 0, ci, 1), 0))
+    else:
+      root = jnp.sqrt(w)
     per_loss.append(tuple(  # x: [S, *values, *event]; root: [*values].
-        x * root.reshape(root.shape + (1,) * (x.ndim - 1 - root.ndim)).astype(x.dtype)
-        for x in u))
+        (x * root.reshape(root.shape + (1,) * (x.ndim - 1 - root.ndim))
+         ).astype(o.dtype)  # The VJP wants each output's own dtype.
+        for x, o in zip(u, outs)))
     counts.append(count)
   if not mode.startswith("exact"):
     return tuple(per_loss), num_samples
@@ -200,7 +219,7 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
           "kfl.sigmoid_binary_cross_entropy, kfl.squared_error (or "
           "kfl.registered_loss), or use estimation='empirical'")
     n = _batch_size(batch)
-    c_i = jnp.full((n,), 1.0 / n, jnp.float32)
+    c_i = jnp.full((n,), 1.0 / n, _float(loss.dtype))
     cots = {u: probe_ct[u][None] * n for u in layer_uids}
     stats = _layer_stats(tagged, caps, cots, c_i, 1)
     if has_fallbacks:
@@ -208,8 +227,11 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
           tagged, jax.tree.map(lambda g: g[None] * math.sqrt(n), grads)))
     return Estimate(loss, aux, grads, stats, c_i)
 
-  c_elems = [probe_ct[t.uid].astype(jnp.float32) for t in tagged.losses]
+  c_elems = [probe_ct[t.uid].astype(_float(probe_ct[t.uid].dtype))
+             for t in tagged.losses]
   n = c_elems[0].shape[0] if c_elems[0].ndim else 1
+  if n == 0:
+    raise ValueError("the batch is empty: its registered loss has no examples")
   c_i = sum(_per_example(c, n) for c in c_elems)
   k_layers, k_fallback = jax.random.split(key)
   d, samples = _output_cotangents(tagged, caps, c_elems, c_i, estimation,
@@ -238,7 +260,15 @@ def _batch_size(batch):
   if n is None:
     raise ValueError("estimation='empirical' without a registered loss needs "
                      "a batch whose arrays share one leading batch size")
+  if n == 0:
+    raise ValueError("the batch is empty (its arrays have a leading batch "
+                     "size of 0)")
   return n
+
+
+def _float(dtype):
+  """At least float32; float64 stays float64 (``jax_enable_x64``)."""
+  return jnp.result_type(jnp.float32, dtype)
 
 
 def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",

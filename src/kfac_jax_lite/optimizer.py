@@ -48,7 +48,8 @@ class KfacOptimizerState(NamedTuple):
 
 
 def _tree_dot(a, b):
-  return sum(jnp.vdot(x.astype(jnp.float32), y.astype(jnp.float32))
+  dtype = transform.float_dtype((a, b))
+  return sum(jnp.vdot(x.astype(dtype), y.astype(dtype))
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
@@ -77,7 +78,7 @@ def _curvature_forms(tagged, params, batch, directions, curvature):
     targets = caps[t.uid][t.num_outputs:]
     roots = (dist.ggn_sqrt(outs[j], targets) if curvature == "ggn"
              else dist.fisher_sqrt(outs[j]))
-    c_e = jnp.maximum(c[t.uid].astype(jnp.float32), 0)
+    c_e = jnp.maximum(c[t.uid].astype(transform.float_dtype(c[t.uid])), 0)
     proj = 0.0
     for b, v in zip(roots, jv[j]):  # b [*values, *event, K], v [2, *values, *event]
       event = b.ndim - 1 - c_e.ndim
@@ -88,21 +89,41 @@ def _curvature_forms(tagged, params, batch, directions, curvature):
   return total, loss
 
 
+def _require(ok, message):
+  if not ok:
+    raise ValueError(f"kfac_optimizer: {message}")
+
+
 def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
                    min_damping=1e-8, max_damping=1e8, damping_decay=19 / 20,
                    damping_adaptation_interval=5, l2_reg=0.0,
-                   curvature="ggn", use_momentum=True, has_aux=False,
-                   **kfac_options) -> optax.GradientTransformationExtraArgs:
+                   curvature="ggn", use_momentum=True, max_momentum=0.99,
+                   has_aux=False, **kfac_options
+                   ) -> optax.GradientTransformationExtraArgs:
   """The Martens–Grosse K-FAC optimizer; see the module docstring.
 
   ``kfac_options`` go to ``kfl.kfac`` (``estimation``, ``cov_decay``,
   ``inverse_every``, ``damping_mode``, ``blocks``, ``axis_name``, ...), except
-  ``damping``, which this optimizer adapts.
+  ``damping``, which this optimizer adapts. ``max_momentum``: the momentum
+  ``μ`` of the quadratic model is kept in ``[0, max_momentum]`` (and ``α``
+  re-minimised for the clipped ``μ``).
   """
   if curvature not in ("ggn", "fisher"):
     raise ValueError(f"curvature must be 'ggn' or 'fisher', got {curvature!r}")
   if "damping" in kfac_options:
     raise ValueError("kfac_optimizer adapts the damping: pass initial_damping")
+  _require(0 < min_damping <= initial_damping <= max_damping,
+           "need 0 < min_damping <= initial_damping <= max_damping, got "
+           f"{min_damping!r}, {initial_damping!r}, {max_damping!r}")
+  _require(0 < damping_decay < 1,
+           f"damping_decay must be in (0, 1), got {damping_decay!r}")
+  _require(isinstance(damping_adaptation_interval, int)
+           and damping_adaptation_interval >= 1,
+           "damping_adaptation_interval must be a positive int, got "
+           f"{damping_adaptation_interval!r}")
+  _require(l2_reg >= 0, f"l2_reg must be >= 0, got {l2_reg!r}")
+  _require(0 <= max_momentum < 1,
+           f"max_momentum must be in [0, 1), got {max_momentum!r}")
   interval = damping_adaptation_interval
   inner = transform.kfac(loss_fn, example_batch, has_aux=has_aux,
                          damping=initial_damping, **kfac_options)
@@ -125,16 +146,17 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
 
   def init_fn(params):
     zeros = jax.tree.map(jnp.zeros_like, params)
-    f32 = lambda x: jnp.asarray(x, jnp.float32)
-    return KfacOptimizerState(inner.init(params), f32(initial_damping), zeros,
-                              f32(0.0), f32(0.0), f32(0.0))
+    scalar = lambda x: jnp.asarray(x, transform.float_dtype(params))
+    return KfacOptimizerState(inner.init(params), scalar(initial_damping),
+                              zeros, scalar(0.0), scalar(0.0), scalar(0.0))
 
   def update_fn(grads, state, params=None, *, batch=None, **extra_args):
     del extra_args
     if params is None or batch is None:
       raise ValueError("kfac_optimizer.update needs params and batch=")
     tagged = tagged_for(params)
-    lam = state.damping
+    dtype = transform.float_dtype(params)
+    lam = state.damping.astype(dtype)
     precond, kstate = inner.update(grads, state.kfac, params, batch=batch,
                                    damping=lam + l2_reg)
     delta = jax.tree.map(lambda u: -u, precond)
@@ -142,37 +164,55 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     vel = state.velocity
     dirs = jax.tree.map(lambda a, b: jnp.stack([a, b.astype(a.dtype)]), delta, vel)
     forms, loss = _curvature_forms(tagged, params, batch, dirs, curvature)
+    forms = forms.astype(dtype)
     gram = jnp.array([[_tree_dot(delta, delta), _tree_dot(delta, vel)],
-                      [_tree_dot(vel, delta), _tree_dot(vel, vel)]])
-    b = jnp.array([_tree_dot(grads, delta), _tree_dot(grads, vel)])
+                      [_tree_dot(vel, delta), _tree_dot(vel, vel)]], dtype)
+    b = jnp.array([_tree_dot(grads, delta), _tree_dot(grads, vel)], dtype)
     q_undamped = forms + l2_reg * gram
     q = q_undamped + lam * gram
-    alpha_only = -b[0] / jnp.where(q[0, 0] > 0, q[0, 0], 1.0)
+    # Minimise ½[α μ]Q[α μ]ᵀ + [α μ]·b with μ in [0, max_momentum]: the
+    # optimum is at the unconstrained μ clipped (the model is convex), with
+    # α = -(b₀ + μ Q₀₁)/Q₀₀ minimising it for that μ.
     det = q[0, 0] * q[1, 1] - q[0, 1] * q[1, 0]
-    solved = -jnp.linalg.solve(q + 1e-30 * jnp.eye(2), b)
+    solved = -jnp.linalg.solve(q + 1e-30 * jnp.eye(2, dtype=dtype), b)
     use_both = (~first) & use_momentum & (det > 1e-12 * q[0, 0] * q[1, 1])
-    coeffs = jnp.where(use_both, solved, jnp.array([alpha_only, 0.0]))
-    coeffs = jnp.where(jnp.all(jnp.isfinite(coeffs)), coeffs, jnp.zeros(2))
+    mu = jnp.where(use_both & jnp.isfinite(solved[1]),
+                   jnp.clip(solved[1], 0.0, max_momentum), 0.0)
+    alpha = -(b[0] + mu * q[0, 1]) / jnp.where(q[0, 0] > 0, q[0, 0], 1.0)
+    coeffs = jnp.stack([alpha, mu])
+    ok = jnp.all(jnp.isfinite(coeffs)) & (q[0, 0] > 0)
+    coeffs = jnp.where(ok, coeffs, jnp.zeros(2, dtype))
     alpha, mu = coeffs[0], coeffs[1]
-    step = jax.tree.map(lambda d, v: (alpha * d + mu * v.astype(d.dtype)).astype(d.dtype),
-                        delta, vel)
+    step = jax.tree.map(
+        lambda d, v: (alpha * d + mu * v.astype(d.dtype)).astype(d.dtype),
+        delta, vel)
     model_change = 0.5 * coeffs @ q_undamped @ coeffs + coeffs @ b
 
-    def adapt(lam):
+    def adapt(operand):
+      lam, step = operand
       new_loss = value(optax.apply_updates(params, step), batch)
-      rho = (new_loss - loss) / jnp.where(
-          model_change < 0, model_change, -1e-30)
-      rho = jnp.where(jnp.isfinite(rho), rho, -jnp.inf)
-      lam = jnp.where(rho > 0.75, lam * omega, jnp.where(rho < 0.25, lam / omega, lam))
-      return jnp.clip(lam, min_damping, max_damping), rho.astype(jnp.float32)
+      # ρ = actual / predicted reduction. A step the model predicts no
+      # reduction for (a skipped one) leaves λ alone; a non-finite or
+      # negative ρ raises it (M&G §6.5), and a non-finite new loss also
+      # rejects the step.
+      predicted = model_change < 0
+      rho = (new_loss - loss) / jnp.where(predicted, model_change, -1.0)
+      rho = jnp.where(jnp.isfinite(rho), rho, -jnp.inf).astype(dtype)
+      new_lam = jnp.where(rho > 0.75, lam * omega,
+                          jnp.where(rho < 0.25, lam / omega, lam))
+      new_lam = jnp.where(predicted | ~jnp.isfinite(new_loss), new_lam, lam)
+      step = jax.tree.map(lambda s: jnp.where(jnp.isfinite(new_loss), s,
+                                              jnp.zeros_like(s)), step)
+      return jnp.clip(new_lam, min_damping, max_damping), rho, step
 
-    new_lam, rho = jax.lax.cond(
-        kstate.count % interval == 0, adapt, lambda l: (l, state.rho), lam)
-    ok = jnp.all(jnp.isfinite(jnp.array([alpha, mu])))
+    new_lam, rho, step = jax.lax.cond(
+        kstate.count % interval == 0, adapt,
+        lambda op: (op[0], state.rho.astype(dtype), op[1]), (lam, step))
     new_state = KfacOptimizerState(
-        kstate, new_lam, jax.tree.map(lambda s, v: s.astype(v.dtype), step, vel),
-        jnp.where(ok, alpha, 0.0).astype(jnp.float32),
-        jnp.where(ok, mu, 0.0).astype(jnp.float32), rho)
+        kstate, new_lam.astype(state.damping.dtype),
+        jax.tree.map(lambda s, v: s.astype(v.dtype), step, vel),
+        alpha.astype(state.learning_rate.dtype),
+        mu.astype(state.momentum.dtype), rho.astype(state.rho.dtype))
     return step, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -49,16 +49,50 @@ class KfacState(NamedTuple):
   blocks: dict  # layer name -> block state (leading stack axis if stacked).
   num_bad_grads: Any  # int32: updates skipped for non-finite gradients.
   num_bad_updates: Any  # int32: preconditioned updates replaced by the gradient.
+  num_bad_damping: Any  # int32: updates skipped for a damping that is not > 0.
+  num_nonfinite_params: Any  # int32: updates called with non-finite params.
+
+
+def float_dtype(tree):
+  """The dtype the curvature is kept in: the floating leaves' widest, at
+  least float32 (bf16/fp16 parameters keep float32 factors; float64 ones,
+  under ``jax_enable_x64``, float64 ones)."""
+  return jnp.result_type(jnp.float32, *[
+      x.dtype for x in jax.tree.leaves(tree)
+      if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)])
+
+
+def stats_batch_size(batch, fraction, where="kfac"):
+  """The number of examples the statistics see: ``round(N · fraction)``.
+
+  Raises ``ValueError`` for an empty batch, and for a ``fraction`` that
+  leaves fewer than 2 examples (one example's statistics are a rank-one
+  curvature: its damped inverse blows the update up by ``1/damping``).
+  """
+  n = tagging._tagged._batch_size(batch)
+  if n is None:
+    if fraction < 1.0:
+      raise ValueError(f"{where}: stats_fraction < 1 needs batch arrays that "
+                       "share one leading batch size")
+    return None
+  if n == 0:
+    raise ValueError(f"{where}: the batch is empty (its arrays have a leading "
+                     "batch size of 0)")
+  if fraction >= 1.0:
+    return n
+  k = int(round(n * fraction))
+  if k < 2:
+    raise ValueError(
+        f"{where}: stats_fraction={fraction} leaves {k} example(s) of a "
+        f"batch of {n} for the statistics; they need at least 2 (use a "
+        "larger stats_fraction or batch)")
+  return k
 
 
 def _slice_batch(batch, fraction):
   if fraction >= 1.0:
     return batch
-  n = tagging._tagged._batch_size(batch)
-  if n is None:
-    raise ValueError("stats_fraction < 1 needs batch arrays that share one "
-                     "leading batch size")
-  k = max(1, int(round(n * fraction)))
+  k = stats_batch_size(batch, fraction)
   return jax.tree.map(lambda x: x[:k] if jnp.ndim(x) else x, batch)
 
 
@@ -82,10 +116,12 @@ class _Layers:
     self.tagged = tagged
     self.layers = tagged.layers
 
-  def init(self):
+  def init(self, params):
+    """Every block's empty state, in its parameters' ``float_dtype``."""
+    leaves = jax.tree.leaves(params)
     states = {}
     for l in self.layers:
-      s = l.block.init()
+      s = l.block.init(float_dtype([leaves[i] for i in l.leaves]))
       if l.stack:
         s = jax.tree.map(lambda x: jnp.broadcast_to(x, (l.stack,) + x.shape), s)
       states[l.name] = s
@@ -95,6 +131,40 @@ class _Layers:
     lead = (layer.stack,) if layer.stack else ()
     return tuple(leaves[i].reshape(lead + tuple(s))
                  for i, s in zip(layer.leaves, layer.block.param_shapes))
+
+
+def _factors(block_state):
+  is_factor = lambda x: isinstance(x, fac.FactorState)
+  return [f for f in jax.tree.leaves(block_state, is_leaf=is_factor)
+          if is_factor(f)]
+
+
+def has_statistics(block_state):
+  """Whether every factor of one (unstacked) block has received statistics
+  (``FactorState.weight > 0``): before that a factor reads as zero."""
+  return jnp.all(jnp.stack([f.weight > 0 for f in _factors(block_state)]))
+
+
+def is_ready(block_state):
+  """Whether every factor of one (unstacked) block has a cached
+  decomposition of real statistics (``FactorState.cache_step >= 0``); a
+  block that is not ready passes its gradient through unpreconditioned."""
+  return jnp.all(jnp.stack([f.cache_step >= 0 for f in _factors(block_state)]))
+
+
+def is_refresh_step(count, inverse_every):
+  """Refreshes happen every ``inverse_every`` steps from step 0 and, while
+  the statistics are young, at steps 1, 2, 4, 8, ... below ``inverse_every``.
+
+  The zero-debiased EMA of step ``t`` gives the newest batch a weight of
+  about ``1/(t+1)`` early on: the statistics decomposed at step 0 are one
+  batch's, and reusing them for ``inverse_every`` steps while the
+  parameters move fast is where default runs used to diverge. Doubling
+  intervals keep the cache no more than half as old as the statistics, for
+  ``log2(inverse_every)`` extra refreshes per run.
+  """
+  young = (count > 0) & (count < inverse_every) & ((count & (count - 1)) == 0)
+  return (count % inverse_every == 0) | young
 
 
 def _owner_mask(index, axis_name):
@@ -119,12 +189,34 @@ def _share_caches(refreshed, old, mine, axis_name):
   return jax.tree.map(share, refreshed, old, is_leaf=is_factor)
 
 
-def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
+def _check_damping(damping, where="kfac"):
+  """A constant damping must be a positive finite number; a schedule is
+  checked at step 0 when it can be evaluated there."""
+  value = damping
+  if callable(damping):
+    try:
+      value = damping(0)
+    except Exception:  # A schedule that cannot run eagerly: checked at run time.
+      return
+  try:
+    value = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return  # Traced: checked at run time (the update is skipped and counted).
+  if not (value > 0 and value < float("inf")):
+    raise ValueError(f"{where}: damping must be positive and finite, got "
+                     f"{value!r}{' (the schedule at step 0)' if callable(damping) else ''}")
+
+
+DEFAULT_DAMPING = 1e-3
+DEFAULT_NORM_CONSTRAINT = None
+
+
+def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
          estimation="fisher", num_samples=1, cov_decay=0.95, cov_every=1,
          inverse_every=10, damping_mode="pi", stats_fraction=1.0,
-         precon_power=-1.0, norm_constraint=None, blocks=None, exclude=(),
-         weight_sharing="expand", axis_name=None, has_aux=False,
-         seed=0) -> optax.GradientTransformationExtraArgs:
+         precon_power=-1.0, norm_constraint=DEFAULT_NORM_CONSTRAINT,
+         blocks=None, exclude=(), weight_sharing="expand", axis_name=None,
+         has_aux=False, seed=0) -> optax.GradientTransformationExtraArgs:
   """The K-FAC preconditioner; see the module docstring.
 
   ``stats_fraction`` applies to statistics computed here from ``batch=``;
@@ -142,6 +234,11 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
   for name, value in (("cov_every", cov_every), ("inverse_every", inverse_every)):
     if not (isinstance(value, int) and value >= 1):
       raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if norm_constraint is not None and not norm_constraint > 0:
+    raise ValueError(f"norm_constraint must be positive (or None), got "
+                     f"{norm_constraint!r}")
+  _check_damping(damping)
+  stats_batch_size(example_batch, stats_fraction, "kfac(example_batch)")
   default_damping = damping
   damping_fn = damping if callable(damping) else (lambda _: default_damping)
   cache: dict = {}
@@ -157,11 +254,11 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
     return layers[tagged]
 
   def init_fn(params):
+    zero = jnp.zeros((), jnp.int32)
     return KfacState(
-        count=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed),
-        blocks=layers_for(params).init(),
-        num_bad_grads=jnp.zeros((), jnp.int32),
-        num_bad_updates=jnp.zeros((), jnp.int32))
+        count=zero, key=jax.random.PRNGKey(seed),
+        blocks=layers_for(params).init(params), num_bad_grads=zero,
+        num_bad_updates=zero, num_bad_damping=zero, num_nonfinite_params=zero)
 
   def update_fn(grads, state, params=None, *, batch=None, stats=None,
                 damping=None, **extra_args):
@@ -173,13 +270,18 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
     key, stats_key = jax.random.split(state.key)
     if axis_name is not None:  # Independent samples on every device.
       stats_key = jax.random.fold_in(stats_key, jax.lax.axis_index(axis_name))
+    dtype = float_dtype(params)
     lam = jnp.asarray(damping_fn(state.count) if damping is None else damping,
-                      jnp.float32)
+                      dtype)
+    damping_ok = (lam > 0) & jnp.isfinite(lam)
     if stats is None and batch is None:
       raise ValueError("kfac.update needs batch= (or precomputed stats=)")
-    if batch is not None and jax.tree.structure(batch) != lay.tagged.batch_treedef:
-      raise ValueError(f"batch structure {jax.tree.structure(batch)} differs "
-                       f"from the example batch's {lay.tagged.batch_treedef}")
+    if batch is not None:
+      if jax.tree.structure(batch) != lay.tagged.batch_treedef:
+        raise ValueError(f"batch structure {jax.tree.structure(batch)} differs "
+                         f"from the example batch's {lay.tagged.batch_treedef}")
+      if stats is None:
+        stats_batch_size(batch, stats_fraction, "kfac.update")
 
     def new_stats():
       if stats is not None:
@@ -198,32 +300,38 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
     states = jax.lax.cond(state.count % cov_every == 0, accumulate,
                           lambda st: st, state.blocks)
 
-    def refresh(states):
-      out = {}
-      for i, l in enumerate(lay.layers):
-        fn = _stacked(l, lambda st, b=l.block: b.refresh(
-            st, lam, precon_power, step=state.count))
-        if axis_name is None:
-          out[l.name] = fn(states[l.name])
-        else:
-          mine = _owner_mask(i, axis_name)
-          new = jax.lax.cond(mine, fn, lambda st: st, states[l.name])
-          out[l.name] = _share_caches(new, states[l.name], mine, axis_name)
-      return out
+    def refresh_one(st, b):
+      # Factors without statistics read as zero: leave them unrefreshed
+      # (not ready) rather than cache a decomposition of the damping alone.
+      new = b.refresh(st, lam, precon_power, step=state.count)
+      ok = has_statistics(st)
+      return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, st)
 
-    states = jax.lax.cond(state.count % inverse_every == 0, refresh,
-                          lambda st: st, states)
+    due = is_refresh_step(state.count, inverse_every) & damping_ok
+    for i, l in enumerate(lay.layers):
+      fn = _stacked(l, lambda st, b=l.block: refresh_one(st, b))
+      st = states[l.name]
+      # Also refresh a block that is not ready yet, as soon as it can be.
+      need = due | (damping_ok & ~jnp.all(_stacked(l, is_ready)(st)))
+      if axis_name is not None:  # Refreshed on one device, then shared.
+        def fn(st, fn=fn, mine=_owner_mask(i, axis_name)):
+          new = jax.lax.cond(mine, fn, lambda s: s, st)
+          return _share_caches(new, st, mine, axis_name)
+      states[l.name] = jax.lax.cond(need, fn, lambda s: s, st)
 
     leaves, treedef = jax.tree.flatten(grads)
     out = list(leaves)
     for l in lay.layers:
-      fn = _stacked(l, lambda st, v, b=l.block: b.multiply_matpower(
-          st, v, lam, precon_power, use_cache=True))
-      u = fn(states[l.name], lay.vectors(l, leaves))
+      def precondition(st, v, b=l.block):
+        u = b.multiply_matpower(st, v, lam, precon_power, use_cache=True)
+        ready = is_ready(st)
+        return tuple(jnp.where(ready, x, y.astype(x.dtype))
+                     for x, y in zip(u, v))
+      u = _stacked(l, precondition)(states[l.name], lay.vectors(l, leaves))
       for i, x in zip(l.leaves, u):
         out[i] = x.reshape(leaves[i].shape).astype(leaves[i].dtype)
     if norm_constraint is not None:
-      inner = sum(jnp.vdot(u.astype(jnp.float32), g.astype(jnp.float32))
+      inner = sum(jnp.vdot(u.astype(dtype), g.astype(dtype))
                   for u, g in zip(out, leaves))
       scale = jnp.where(inner > 0, jnp.sqrt(norm_constraint / jnp.where(
           inner > 0, inner, 1)), 1.0)
@@ -231,13 +339,17 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
       out = [(u * scale).astype(u.dtype) for u in out]
     grads_ok = fac.all_finite(leaves)
     update_ok = fac.all_finite(out)
-    out = [jnp.where(grads_ok, jnp.where(update_ok, u, g), jnp.zeros_like(g))
+    good = grads_ok & damping_ok
+    out = [jnp.where(good, jnp.where(update_ok, u, g), jnp.zeros_like(g))
            for u, g in zip(out, leaves)]
+    count = lambda x: x.astype(jnp.int32)
     new_state = KfacState(
         count=state.count + 1, key=key, blocks=states,
-        num_bad_grads=state.num_bad_grads + (~grads_ok).astype(jnp.int32),
-        num_bad_updates=state.num_bad_updates
-        + (grads_ok & ~update_ok).astype(jnp.int32))
+        num_bad_grads=state.num_bad_grads + count(~grads_ok),
+        num_bad_updates=state.num_bad_updates + count(good & ~update_ok),
+        num_bad_damping=state.num_bad_damping + count(~damping_ok),
+        num_nonfinite_params=state.num_nonfinite_params
+        + count(~fac.all_finite(params)))
     return jax.tree.unflatten(treedef, out), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,289 @@
+"""float64 end to end (``jax_enable_x64``): the public API keeps float64.
+
+Every test runs inside ``x64_mode(True)`` with float64 parameters and data.
+The whole ``kfl.kfac`` transform is compared with a brute-force K-FAC built
+from per-example Jacobians (``jax.jacfwd``) in numpy float64, to 1e-10
+relative: any float32 rounding on the way (factors, damping, loss weights
+``c_i``, ``√(c_e/c_i)``, the distributions' square roots) would show up as
+~1e-7.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+import kfac_jax_lite as kfl
+from conftest import x64_mode
+from kfac_jax_lite import distributions as dists
+
+SIZES = (4, 5, 3)
+N = 6
+LAM = 0.1
+RTOL = 1e-10
+
+
+def params64(dtype=jnp.float64):
+  keys = jax.random.split(jax.random.PRNGKey(0), len(SIZES) - 1)
+  return [{"w": jax.random.normal(k, (a, b), dtype) / np.sqrt(a),
+           "b": 0.1 * jnp.ones(b, dtype)}
+          for k, a, b in zip(keys, SIZES[:-1], SIZES[1:])]
+
+
+def batch64(dtype=jnp.float64):
+  x = jax.random.normal(jax.random.PRNGKey(1), (N, SIZES[0]), dtype)
+  return {"x": x, "y": jnp.argmax(x[:, :SIZES[-1]], -1),
+          "t": jnp.sin(x[:, :SIZES[-1]])}
+
+
+def net(params, x):
+  """Logits and the pre-activations ``s_l`` and inputs ``h_l`` of each layer."""
+  hs, ss, h = [], [], x
+  for i, p in enumerate(params):
+    hs.append(h)
+    s = h @ p["w"] + p["b"]
+    ss.append(s)
+    h = jnp.tanh(s) if i < len(params) - 1 else s
+  return h, hs, ss
+
+
+def classifier_loss(params, batch):
+  return kfl.softmax_cross_entropy_with_integer_labels(
+      net(params, batch["x"])[0], batch["y"]).mean()
+
+
+def registered_mse(params, batch):
+  return kfl.squared_error(net(params, batch["x"])[0], batch["t"]).mean()
+
+
+def handwritten_mse(params, batch):
+  return jnp.mean((net(params, batch["x"])[0] - batch["t"]) ** 2)
+
+
+def rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def brute_factors(params, batch, mode):
+  """Per layer ``(A, G)`` from per-example Jacobians ``∂logits/∂s_l``.
+
+  ``exact``: ``G = Σ_i c_i J_iᵀ M_i J_i`` with the softmax Fisher ``M_i``;
+  ``empirical``: ``G = Σ_i c_i ∇_{s}ℓ_i ∇_{s}ℓ_iᵀ`` of the per-example mean
+  squared error ``ℓ_i = mean_k (o_ik - t_ik)²``. ``c_i = 1/N``.
+  """
+  logits, hs, ss = net(params, batch["x"])
+  out = []
+  for l, (h, s) in enumerate(zip(hs, ss)):
+    def rest(s_i, l=l):  # The network from layer l's pre-activation on.
+      o = s_i
+      for j in range(l + 1, len(params)):
+        o = jnp.tanh(o) @ params[j]["w"] + params[j]["b"]
+      return o
+    jac = np.asarray(jax.vmap(jax.jacfwd(rest))(s), np.float64)  # [N, C, b]
+    a = np.concatenate([np.asarray(h), np.ones((N, 1))], 1)
+    big_a = a.T @ a / N
+    if mode == "exact":
+      p = np.asarray(jax.nn.softmax(logits), np.float64)
+      m = np.stack([np.diag(q) - np.outer(q, q) for q in p])
+      big_g = np.einsum("nci,ncd,ndj->ij", jac, m, jac) / N
+    else:
+      r = 2 * (np.asarray(logits) - np.asarray(batch["t"])) / logits.shape[1]
+      grad_s = np.einsum("nc,nci->ni", r, jac)  # ∇_s ℓ_i
+      big_g = grad_s.T @ grad_s / N
+    out.append((big_a, big_g))
+  return out
+
+
+def brute_update(params, grads, batch, mode, damping_mode):
+  updates = []
+  for (big_a, big_g), g in zip(brute_factors(params, batch, mode), grads):
+    v = np.concatenate([np.asarray(g["w"]), np.asarray(g["b"])[None]], 0)
+    a, b = v.shape
+    if damping_mode == "exact":
+      curv = np.kron(big_a, big_g) + LAM * np.eye(a * b)
+    else:
+      pi = np.sqrt((np.trace(big_a) / a) / (np.trace(big_g) / b))
+      curv = np.kron(big_a + pi * np.sqrt(LAM) * np.eye(a),
+                     big_g + np.sqrt(LAM) / pi * np.eye(b))
+    u = np.linalg.solve(curv, v.ravel()).reshape(a, b)
+    updates.append({"w": u[:-1], "b": u[-1]})
+  return updates
+
+
+@functools.lru_cache(maxsize=None)
+def _update_fn(loss_name, estimation, damping_mode):
+  loss_fn = {"classifier": classifier_loss, "registered_mse": registered_mse,
+             "handwritten_mse": handwritten_mse}[loss_name]
+  tx = kfl.kfac(loss_fn, batch64(), damping=LAM, estimation=estimation,
+                damping_mode=damping_mode)
+
+  def first_update(params, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    return tx.update(grads, tx.init(params), params, batch=batch)
+  return loss_fn, jax.jit(first_update)
+
+
+@pytest.mark.parametrize("loss_name,estimation,damping_mode", [
+    ("classifier", "exact", "pi"),
+    ("classifier", "exact_ggn", "exact"),
+    ("registered_mse", "empirical", "pi"),
+    ("handwritten_mse", "empirical", "exact"),
+])
+def test_kfac_update_matches_brute_force_in_float64(loss_name, estimation,
+                                                   damping_mode):
+  with x64_mode(True):
+    params, batch = params64(), batch64()
+    loss_fn, update = _update_fn(loss_name, estimation, damping_mode)
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = update(params, batch)
+    assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(updates))
+    floats = [x for x in jax.tree.leaves(state.blocks)
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and all(x.dtype == jnp.float64 for x in floats)
+    mode = "exact" if estimation.startswith("exact") else "empirical"
+    want = brute_update(params, grads, batch, mode, damping_mode)
+    for got_layer, want_layer in zip(updates, want):
+      for k in ("w", "b"):
+        assert rel_err(got_layer[k], want_layer[k]) < RTOL, (k, rel_err(
+            got_layer[k], want_layer[k]))
+
+
+def test_one_empirical_fisher_for_registered_and_handwritten_losses():
+  """``kfl.squared_error(o, t).mean()`` and ``jnp.mean((o - t) ** 2)``:
+  the same per-example empirical statistics (also in float32)."""
+  for enabled in (False, True):
+    with x64_mode(enabled):
+      dtype = jnp.float64 if enabled else jnp.float32
+      params, batch = params64(dtype), batch64(dtype)
+      key = jax.random.PRNGKey(0)
+      stats = [kfl.value_grad_and_stats(fn, params, batch,
+                                        estimation="empirical")(
+                                            params, batch, key).stats
+               for fn in (registered_mse, handwritten_mse)]
+      tol = 1e-12 if enabled else 1e-5
+      for name in stats[0]:
+        for x, y in zip(jax.tree.leaves(stats[0][name]),
+                        jax.tree.leaves(stats[1][name])):
+          assert x.dtype == y.dtype == dtype
+          assert rel_err(x, y) < tol, name
+      # And both equal the brute-force per-example gradients' G.
+      if enabled:
+        for (big_a, big_g), name in zip(brute_factors(params, batch, "emp"),
+                                        sorted(stats[0])):
+          assert rel_err(stats[0][name].g[0], big_g) < RTOL, name
+          assert rel_err(stats[0][name].a[0], big_a) < RTOL, name
+
+
+LOSSES = {
+    "softmax_cross_entropy": lambda o, b: kfl.softmax_cross_entropy(
+        o, jax.nn.one_hot(b["y"], o.shape[-1], dtype=o.dtype)),
+    "integer_labels": lambda o, b: kfl.softmax_cross_entropy_with_integer_labels(
+        o, b["y"]),
+    "sigmoid_binary_cross_entropy": lambda o, b: kfl.sigmoid_binary_cross_entropy(
+        o, (b["t"] > 0).astype(o.dtype)),
+    "squared_error": lambda o, b: kfl.squared_error(o, b["t"]),
+    "l2_loss": lambda o, b: kfl.l2_loss(o, b["t"]),
+    "gaussian_nll": lambda o, b: kfl.gaussian_nll(
+        o, jax.nn.softplus(o) + 0.5, b["t"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_loss_and_estimation_keeps_float64(name):
+  """Every registered loss (and so every distribution's ``sample``,
+  ``fisher_sqrt`` and ``ggn_sqrt``) in every estimation mode: float64
+  statistics, and one-layer ``exact_ggn`` statistics equal to the
+  brute-force ``G = Σ_i c_i J_iᵀ H_i⁺ J_i`` (``H_i`` the output Hessian)."""
+  with x64_mode(True):
+    params = params64()[:1]
+    batch = batch64()
+    batch = dict(batch, y=batch["y"] % SIZES[1], t=jnp.concatenate(
+        [batch["t"], batch["t"][:, :2]], 1)[:, :SIZES[1]])
+
+    def loss_fn(p, b):
+      return LOSSES[name](b["x"] @ p[0]["w"] + p[0]["b"], b).mean()
+
+    key = jax.random.PRNGKey(2)
+    for estimation in kfl.ESTIMATIONS:
+      est = jax.jit(kfl.value_grad_and_stats(
+          loss_fn, params, batch, estimation=estimation))(params, batch, key)
+      leaves = jax.tree.leaves((est.stats, est.grads, est.loss, est.weights))
+      assert all(x.dtype == jnp.float64 for x in leaves), estimation
+      assert all(np.all(np.isfinite(x)) for x in leaves), estimation
+      if estimation == "exact_ggn":
+        got = est.stats[next(iter(est.stats))].g[0]
+    # Brute force: per example, the PSD part of the Hessian of L w.r.t. the
+    # layer output s_i (one layer: the model output o is s, or (s,
+    # softplus(s)+½) for gaussian_nll, whose GGN is Jᵀ H⁺ J with J of the
+    # head), summed over the examples; L = Σ_i c_i ℓ_i so c_i is inside.
+    s = batch["x"] @ params[0]["w"] + params[0]["b"]
+    want = 0.0
+    for i in range(N):
+      def loss_of_outputs(o, i=i):
+        full = s.at[i].set(o) if name != "gaussian_nll" else s
+        if name == "gaussian_nll":
+          return jnp.sum(kfl.gaussian_nll(
+              o[0], o[1], batch["t"][i]) / (N * SIZES[1]))
+        return LOSSES[name](full, batch).mean()
+      if name == "gaussian_nll":
+        o = (s[i], jax.nn.softplus(s[i]) + 0.5)
+        h = jax.hessian(loss_of_outputs)(o)
+        hm = np.block([[np.asarray(h[r][c]) for c in range(2)] for r in range(2)])
+        jac = np.concatenate([np.eye(SIZES[1]), np.diag(np.asarray(
+            jax.nn.sigmoid(s[i])))], 0)
+      else:
+        hm = np.asarray(jax.hessian(loss_of_outputs)(s[i]))
+        jac = np.eye(SIZES[1])
+      w, q = np.linalg.eigh((hm + hm.T) / 2)
+      hplus = (q * np.maximum(w, 0)) @ q.T
+      want = want + jac.T @ hplus @ jac
+    # G = Σ_i c_i G_i where L's per-example Hessians already carry c_i.
+    assert rel_err(got, want) < RTOL
+
+
+def test_kfac_optimizer_keeps_float64_and_solves_its_model_exactly():
+  """One step: α = -gᵀΔ / Δᵀ(GGN + λ)Δ against a dense float64 GGN, 1e-9."""
+  with x64_mode(True):
+    params, batch = params64(), batch64()
+    tx = kfl.kfac_optimizer(classifier_loss, batch, initial_damping=LAM)
+    state = tx.init(params)
+    grads = jax.grad(classifier_loss)(params, batch)
+    step, state = jax.jit(tx.update)(grads, state, params, batch=batch)
+    leaves = [x for x in jax.tree.leaves((step, state))
+              if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert all(x.dtype == jnp.float64 for x in leaves)
+    flat, unravel = ravel_pytree(params)
+    jac = jax.jacfwd(lambda f: net(unravel(f), batch["x"])[0])(flat)  # [N, C, P]
+    root = dists.Categorical(True).fisher_sqrt((net(params, batch["x"])[0],))[0]
+    m = jnp.einsum("nck,ndk->ncd", root, root)
+    ggn = np.asarray(jnp.einsum("ncp,ncd,ndq->pq", jac, m, jac) / N)
+    g = np.asarray(ravel_pytree(grads)[0])
+    s = np.asarray(ravel_pytree(step)[0])
+    alpha = float(state.learning_rate)
+    delta = s / alpha
+    want = -(g @ delta) / (delta @ (ggn + LAM * np.eye(len(g))) @ delta)
+    assert abs(alpha - want) < 1e-9 * abs(want)
+
+
+def test_pmap_path_keeps_float64():
+  """``axis_name`` under ``pmap`` (one CPU device): pmean of the statistics,
+  owner-split refresh and psum of the caches, all in float64, equal to the
+  unmapped update."""
+  with x64_mode(True):
+    params, batch = params64(), batch64()
+    kw = dict(damping=LAM, estimation="exact")
+    tx = kfl.kfac(classifier_loss, batch, **kw)
+    txp = kfl.kfac(classifier_loss, batch, axis_name="i", **kw)
+    grads = jax.grad(classifier_loss)(params, batch)
+    want, _ = tx.update(grads, tx.init(params), params, batch=batch)
+    rep = lambda t: jax.tree.map(lambda x: x[None], t)
+    got, state = jax.pmap(lambda g, s, p, b: txp.update(g, s, p, batch=b),
+                          axis_name="i")(rep(grads), rep(txp.init(params)),
+                                         rep(params), rep(batch))
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert x.dtype == jnp.float64 and rel_err(x[0], y) < RTOL
+    assert kfl.health(state).ok
