@@ -171,7 +171,7 @@ QUICK_MODELS = ("jax mlp", "linen cnn+layernorm", "haiku cnn")
 # --- training ----------------------------------------------------------------
 
 def make_runner(kind, loss_fn, example, x_all, y_all, steps, batch_size,
-                kfac_options):
+                kfac_options, opt_options):
   """``run(params, lr, key) -> final params``, jitted, one scan of ``steps``."""
   if kind == "kfac":
     tx = optax.chain(kfl.kfac(loss_fn, example, **kfac_options),
@@ -179,7 +179,7 @@ def make_runner(kind, loss_fn, example, x_all, y_all, steps, batch_size,
   elif kind == "adam":
     tx = optax.with_extra_args_support(optax.scale_by_adam())
   else:
-    tx = kfl.kfac_optimizer(loss_fn, example)
+    tx = kfl.kfac_optimizer(loss_fn, example, **opt_options)
 
   @jax.jit
   def run(params, lr, key):
@@ -198,8 +198,8 @@ def make_runner(kind, loss_fn, example, x_all, y_all, steps, batch_size,
   return run
 
 
-def study(names, lrs, steps, batch_size, kfac_options, seed=0, log=print,
-          kinds=("kfac", "adam", "kfac_opt")):
+def study(names, lrs, steps, batch_size, kfac_options, opt_options=None,
+          seed=0, log=print, kinds=("kfac", "adam", "kfac_opt")):
   x_all, y_all = digits()
   rows = []
   for name in names:
@@ -218,7 +218,7 @@ def study(names, lrs, steps, batch_size, kfac_options, seed=0, log=print,
       if kind not in kinds:
         continue
       run = make_runner(kind, loss_fn, example, x_all, y_all, steps,
-                        batch_size, kfac_options)
+                        batch_size, kfac_options, opt_options or {})
       for lr in kind_lrs:
         final, state = run(params, jnp.float32(lr), key)
         row[(kind, lr)] = float(full(final))
@@ -285,6 +285,8 @@ def main(argv=None):
                  metavar="MODEL", help=f"any of {sorted(MODELS)}")
   p.add_argument("--kfac", action="append", default=[], metavar="KEY=VALUE",
                  help="override a kfl.kfac default, e.g. damping=1e-3")
+  p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
+                 help="override a kfl.kfac_optimizer default")
   p.add_argument("--health", action="store_true",
                  help="also print kfl.health of every K-FAC run")
   p.add_argument("--seed", type=int, default=0)
@@ -296,11 +298,13 @@ def main(argv=None):
   lrs = args.lrs or ([0.1] if args.quick else [0.01, 0.03, 0.1])
   names = args.models or (QUICK_MODELS if args.quick else tuple(MODELS))
   options = dict(_parse_option(o) for o in args.kfac)
+  opt_options = dict(_parse_option(o) for o in args.opt)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; digits, batch "
         f"{args.batch}, {steps} steps, seed {args.seed}; kfac overrides: "
-        f"{options or 'none (defaults)'}")
-  rows = study(names, lrs, steps, args.batch, options, seed=args.seed,
-               kinds=args.kinds)
+        f"{options or 'none (defaults)'}; kfac_optimizer overrides: "
+        f"{opt_options or 'none (defaults)'}")
+  rows = study(names, lrs, steps, args.batch, options, opt_options,
+               seed=args.seed, kinds=args.kinds)
   failures = print_table(rows, lrs, steps, args.health)
   print(f"{failures} K-FAC run(s) did not train")
   return failures

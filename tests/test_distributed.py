@@ -238,7 +238,8 @@ def test_each_device_refreshes_only_its_own_blocks(model):
   layers, steps = r["layers"], r["steps"]
   blocks = len(layers)
   assert blocks == {"three": 3, "ten": 10}[model]
-  refresh_steps = list(range(0, steps, 2))
+  # inverse_every=2: steps 0, 2, 4, ... and the young refresh at step 1.
+  refresh_steps = sorted({0, 1} | set(range(0, steps, 2)))
   per_step = _per_device(r["pmap_calls"])
   assert sorted(per_step) == refresh_steps
   for step, by_device in per_step.items():
@@ -350,6 +351,6 @@ def test_two_processes_on_loopback_train_like_one_process():
   assert owners == {(0, "dense0/w"), (1, "dense1/w"), (2, "dense2/w")}
   for h in hosts:
     assert len(h["calls"]) == len({(d, n) for d, n, _ in h["calls"]}) * (
-        steps // 2)
+        steps // 2 + 1)  # Every 2 steps, and the young refresh at step 1.
   assert {d for d, _, _ in hosts[0]["calls"]} == {0, 1}
   assert {d for d, _, _ in hosts[1]["calls"]} == {2}

@@ -72,7 +72,7 @@ def test_chains_with_optax_and_trains(name):
 
 def test_first_update_is_the_natural_gradient_of_the_exact_blocks():
   tx = kfl.kfac(loss_fn, BATCH, damping=0.1, estimation="exact", cov_decay=0.5,
-                damping_mode="exact")
+                damping_mode="exact", norm_constraint=None)
   params = init_params()
   grads = jax.grad(loss_fn)(params, BATCH)
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params, batch=BATCH)
@@ -155,10 +155,10 @@ def test_precomputed_stats_share_the_forward_pass():
 def test_options_power_norm_constraint_fraction_schedule():
   params = init_params()
   grads = jax.grad(loss_fn)(params, BATCH)
-  base = dict(estimation="exact", damping=0.1)
+  base = dict(estimation="exact", damping=0.1, norm_constraint=None)
   full, _ = kfl.kfac(loss_fn, BATCH, **base).update(
       grads, kfl.kfac(loss_fn, BATCH, **base).init(params), params, batch=BATCH)
-  tx = kfl.kfac(loss_fn, BATCH, norm_constraint=1e-6, **base)
+  tx = kfl.kfac(loss_fn, BATCH, **dict(base, norm_constraint=1e-6))
   clipped, _ = tx.update(grads, tx.init(params), params, batch=BATCH)
   dot = lambda a: sum(jnp.vdot(u, g) for u, g in zip(jax.tree.leaves(a),
                                                      jax.tree.leaves(grads)))

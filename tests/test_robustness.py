@@ -1,0 +1,342 @@
+"""Robust out of the box (issue 8): safe defaults, no silent failure.
+
+* the defaults of ``kfl.kfac`` (what the README recommends) chained with
+  ``optax.sgd(lr, momentum=0.9)`` train at lr 0.01 and 0.1 on a conv net
+  with normalisation, and ``kfl.kfac_optimizer``'s defaults do not blow up;
+* bad arguments (non-positive damping, an empty batch, a ``stats_fraction``
+  leaving < 2 examples) raise ``ValueError`` naming the problem; a bad
+  damping that arrives traced skips and counts the update;
+* a block that never received statistics passes its gradient through;
+* non-finite parameters are counted, and ``kfl.health`` reports every
+  counter from any optimizer state.
+
+Models are tiny and every jitted step is compiled once per test.
+"""
+import functools
+import inspect
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import kfac_jax_lite as kfl
+
+SIZES = (5, 8, 3)
+N = 16
+
+
+def init_params():
+  keys = jax.random.split(jax.random.PRNGKey(0), len(SIZES) - 1)
+  return {f"dense{i}": {"w": jax.random.normal(k, (a, b)) / np.sqrt(a),
+                        "b": jnp.zeros(b)}
+          for i, (k, a, b) in enumerate(zip(keys, SIZES[:-1], SIZES[1:]))}
+
+
+def loss_fn(params, batch):
+  h = batch["x"]
+  for i in range(len(SIZES) - 1):
+    h = h @ params[f"dense{i}"]["w"] + params[f"dense{i}"]["b"]
+    if i < len(SIZES) - 2:
+      h = jnp.tanh(h)
+  return kfl.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+
+
+def make_batch(seed, n=N):
+  x = jax.random.normal(jax.random.PRNGKey(seed), (n, SIZES[0]))
+  return {"x": x, "y": jnp.argmax(x[:, :SIZES[-1]], -1)}
+
+
+BATCH = make_batch(0)
+
+
+def tree_allclose(a, b, **kw):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, **kw)
+
+
+# --- arguments -----------------------------------------------------------------
+
+@pytest.mark.parametrize("damping", [0.0, -1.0, float("nan"), float("inf"),
+                                     optax.constant_schedule(0.0)])
+def test_non_positive_damping_is_an_error_at_construction(damping):
+  with pytest.raises(ValueError, match="damping must be positive"):
+    kfl.kfac(loss_fn, BATCH, damping=damping)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(initial_damping=0.0), "min_damping <= initial_damping"),
+    (dict(min_damping=0.0), "min_damping"),
+    (dict(initial_damping=1e9), "max_damping"),
+    (dict(damping_decay=1.5), "damping_decay"),
+    (dict(damping_adaptation_interval=0), "damping_adaptation_interval"),
+    (dict(l2_reg=-1.0), "l2_reg"),
+    (dict(max_momentum=1.0), "max_momentum"),
+])
+def test_kfac_optimizer_rejects_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    kfl.kfac_optimizer(loss_fn, BATCH, **kwargs)
+
+
+def test_empty_batch_and_too_small_stats_fraction_are_named():
+  empty = make_batch(0, n=0)
+  with pytest.raises(ValueError, match="empty"):
+    kfl.kfac(loss_fn, empty)
+  with pytest.raises(ValueError, match="empty"):
+    kfl.value_grad_and_stats(loss_fn, init_params(), BATCH)(
+        init_params(), empty, jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match=r"stats_fraction=0.05 leaves 1 example"):
+    kfl.kfac(loss_fn, BATCH, stats_fraction=0.05)
+  tx = kfl.kfac(loss_fn, BATCH, stats_fraction=0.25)  # 4 of 16: fine.
+  params = init_params()
+  state = tx.init(params)
+  small = make_batch(1, n=4)  # 1 of 4 at update time: not.
+  with pytest.raises(ValueError, match=r"leaves 1 example\(s\) of a batch of 4"):
+    tx.update(jax.grad(loss_fn)(params, small), state, params, batch=small)
+  with pytest.raises(ValueError, match="empty"):
+    tx.update(jax.grad(loss_fn)(params, BATCH), state, params, batch=empty)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_update(**kw):
+  tx = kfl.kfac(loss_fn, BATCH, **kw)
+  return tx, jax.jit(tx.update)
+
+
+def test_traced_bad_damping_skips_and_counts_the_update():
+  tx, update = _jitted_update(damping=1e-2, estimation="exact")
+  params = init_params()
+  grads = jax.grad(loss_fn)(params, BATCH)
+  state = tx.init(params)
+  for bad in (-1.0, 0.0, float("nan")):
+    u, state = update(grads, state, params, batch=BATCH, damping=bad)
+    assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(u))
+  assert int(state.num_bad_damping) == 3 and int(state.num_bad_grads) == 0
+  health = kfl.health(state)
+  assert health.bad_damping == 3 and not health.ok
+  assert "bad damping 3" in str(health)
+  u, state = update(grads, state, params, batch=BATCH, damping=1e-2)
+  assert all(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(u))
+  assert int(state.num_bad_damping) == 3
+
+
+# --- factors without statistics --------------------------------------------------
+
+def test_block_without_statistics_passes_the_gradient_through():
+  """Statistics that are not finite leave a factor empty: it is neither
+  refreshed nor used (the update is the gradient, not ``g / damping``);
+  the first good statistics make the block ready at once (not only at the
+  next ``inverse_every`` step), and its update is then the one a fresh
+  state would give."""
+  tx, update = _jitted_update(damping=1e-2, estimation="exact")
+  params = init_params()
+  fn = kfl.value_grad_and_stats(loss_fn, params, BATCH, estimation="exact")
+  est = fn(params, BATCH, jax.random.PRNGKey(0))
+  bad_stats = jax.tree.map(lambda x: x * jnp.nan, est.stats)
+  state = tx.init(params)
+  u, state = update(est.grads, state, params, stats=bad_stats)
+  tree_allclose(u, est.grads, rtol=0, atol=0)
+  health = kfl.health(state)
+  assert health.unready_blocks == 2 and health.skipped_stats == 4
+  assert "unready blocks 2" in str(health)
+  # Step 3 is not a refresh step (3 < 10 is no power of two) ...
+  state = state._replace(count=jnp.asarray(3, jnp.int32))
+  u, state = update(est.grads, state, params, stats=est.stats)
+  fresh, _ = update(est.grads, tx.init(params), params, stats=est.stats)
+  tree_allclose(u, fresh, rtol=1e-6)  # ... but the blocks were not ready.
+  assert kfl.health(state).unready_blocks == 0
+
+
+def test_nan_first_batch_does_not_leave_a_run_on_damping_alone():
+  """The issue's case: a NaN in the very first batch (the update norm then
+  reached 18.8 against 1.3 in a clean run, preconditioned by the damping
+  alone for 9 steps). The step is skipped and counted; the next batch's
+  statistics are decomposed at once, and its update is as large as a
+  clean run's first one, not ``1/damping`` times the gradient."""
+  tx, update = _jitted_update()
+  params = init_params()
+  norm = lambda t: float(jnp.sqrt(sum(jnp.vdot(x, x) for x in jax.tree.leaves(t))))
+  bad = dict(BATCH, x=BATCH["x"].at[0, 0].set(jnp.nan))
+  nxt = make_batch(1)
+  grads = jax.grad(loss_fn)(params, nxt)
+  state = tx.init(params)
+  u, state = update(jax.grad(loss_fn)(params, bad), state, params, batch=bad)
+  assert norm(u) == 0.0 and kfl.health(state).unready_blocks == 2
+  u, state = update(grads, state, params, batch=nxt)
+  clean, _ = update(grads, tx.init(params), params, batch=nxt)
+  health = kfl.health(state)
+  assert health.bad_grads == 1 and health.unready_blocks == 0
+  assert 0.5 < norm(u) / norm(clean) < 2.0, (norm(u), norm(clean))
+
+
+# --- non-finite parameters and kfl.health ----------------------------------------
+
+def test_nonfinite_params_are_counted_and_health_finds_every_state():
+  params = init_params()
+  grads = jax.grad(loss_fn)(params, BATCH)
+  chain = optax.chain(optax.clip_by_global_norm(1.0),
+                      kfl.kfac(loss_fn, BATCH, estimation="exact"),
+                      optax.sgd(0.1, momentum=0.9))
+  state = chain.init(params)
+  _, state = chain.update(grads, state, params, batch=BATCH)
+  health = kfl.health(state)
+  assert health.ok and health.steps == 1 and str(health).startswith("kfac: ok")
+  nan_params = jax.tree.map(lambda x: x * jnp.nan, params)
+  nan_grads = jax.grad(loss_fn)(nan_params, BATCH)
+  _, state = chain.update(nan_grads, state, nan_params, batch=BATCH)
+  health = kfl.health(state)
+  assert (health.nonfinite_params, health.bad_grads, health.steps) == (1, 1, 2)
+  assert "non-finite params 1" in str(health) and not health.ok
+  # Inside inject_hyperparams, and the kfac_optimizer's own state.
+  injected = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+  combo = optax.chain(kfl.kfac(loss_fn, BATCH), injected)
+  assert kfl.health(combo.init(params)).steps == 0
+  opt = kfl.kfac_optimizer(loss_fn, BATCH)
+  ostate = opt.init(params)
+  health = kfl.health(ostate)
+  assert health.damping == pytest.approx(
+      inspect.signature(kfl.kfac_optimizer).parameters["initial_damping"].default)
+  assert "damping" in str(health)
+  with pytest.raises(ValueError, match="no kfl.kfac"):
+    kfl.health(optax.sgd(0.1).init(params))
+
+
+# --- defaults ------------------------------------------------------------------------
+
+def readme_defaults():
+  """``{name: value}`` from the README's table of ``kfl.kfac`` defaults."""
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  section = text.split("## Defaults", 1)[1].split("\n## ", 1)[0]
+  rows = re.findall(r"^\| `(\w+)` \| `([^`]+)` \|", section, re.M)
+  return {name: eval(value, {"None": None}) for name, value in rows}  # noqa: S307
+
+
+def test_readme_defaults_are_the_defaults():
+  documented = readme_defaults()
+  params = inspect.signature(kfl.kfac).parameters
+  assert {"damping", "norm_constraint", "inverse_every", "cov_decay",
+          "damping_mode", "estimation"} <= set(documented)
+  for name, value in documented.items():
+    assert params[name].default == value, name
+
+
+def digits_batch(n=128):
+  from sklearn.datasets import load_digits
+  x, y = load_digits(return_X_y=True)
+  return {"x": jnp.asarray(x[:n] / 16.0, jnp.float32), "y": jnp.asarray(y[:n])}
+
+
+def conv_net():
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = x.reshape(-1, 8, 8, 1)
+      x = nn.relu(nn.LayerNorm()(nn.Conv(8, (3, 3))(x)))
+      x = nn.relu(nn.Conv(16, (3, 3), strides=2)(x))
+      return nn.Dense(10)(x.reshape(x.shape[0], -1))
+  net = Net()
+  params = net.init(jax.random.PRNGKey(0), jnp.zeros((1, 64)))
+
+  def loss(p, b):
+    return kfl.softmax_cross_entropy_with_integer_labels(
+        net.apply(p, b["x"]), b["y"]).mean()
+  return params, loss
+
+
+def test_defaults_train_a_conv_net_with_sgd_momentum_at_every_lr():
+  """``kfl.kfac(loss_fn, batch)`` + ``sgd(lr, momentum=0.9)`` at lr 0.01
+  and 0.1 (the learning rate is an argument: one compile), 30 steps on
+  digits; and ``kfac_optimizer`` with its defaults."""
+  params, loss = conv_net()
+  batch = digits_batch()
+  tx = optax.chain(kfl.kfac(loss, batch), optax.trace(decay=0.9))
+
+  @jax.jit
+  def run(params, lr):
+    def step(carry, _):
+      params, state = carry
+      grads = jax.grad(loss)(params, batch)
+      updates, state = tx.update(grads, state, params, batch=batch)
+      updates = jax.tree.map(lambda u: -lr * u, updates)
+      return (optax.apply_updates(params, updates), state), None
+    (params, state), _ = jax.lax.scan(step, (params, tx.init(params)), None, 30)
+    return loss(params, batch), state
+
+  initial = float(loss(params, batch))
+  for lr in (0.01, 0.1):
+    final, state = run(params, jnp.float32(lr))
+    assert np.isfinite(float(final)) and float(final) < 0.5 * initial, (lr, final)
+    assert kfl.health(state).ok, kfl.health(state)
+
+
+# --- kfac_optimizer ------------------------------------------------------------------
+
+def test_kfac_optimizer_raises_damping_and_rejects_a_non_finite_step():
+  """A step whose new loss is not finite (ρ = -inf) raises λ by 1/ω and is
+  rejected (a zero update); a step the model predicts no reduction for
+  (a zero gradient) leaves λ alone."""
+  def fragile_loss(params, batch):  # NaN once the first kernel moves at all.
+    moved = jnp.any(params["dense0"]["w"] != init_params()["dense0"]["w"])
+    return jnp.where(moved, jnp.nan, loss_fn(params, batch))
+
+  opt = kfl.kfac_optimizer(fragile_loss, BATCH, initial_damping=0.1,
+                           damping_adaptation_interval=1)
+  params = init_params()
+  state = opt.init(params)
+  grads = jax.grad(loss_fn)(params, BATCH)
+  step, state = jax.jit(opt.update)(grads, state, params, batch=BATCH)
+  omega = (19 / 20) ** 1
+  assert float(state.rho) == -np.inf
+  np.testing.assert_allclose(float(state.damping), 0.1 / omega, rtol=1e-6)
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(step))
+  zero = jax.tree.map(jnp.zeros_like, grads)
+  _, state2 = jax.jit(opt.update)(zero, state, params, batch=BATCH)
+  np.testing.assert_allclose(float(state2.damping), float(state.damping))
+
+
+def test_kfac_optimizer_defaults_keep_momentum_sane_and_train():
+  """Defaults on the digits MLP, 60 steps: finite, trains, μ in [0, 0.99],
+  α > 0 once the step has started, damping above its floor."""
+  from sklearn.datasets import load_digits
+  x, y = load_digits(return_X_y=True)
+  batch = {"x": jnp.asarray(x / 16.0, jnp.float32), "y": jnp.asarray(y)}
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  sizes = (64, 32, 32, 10)
+  params = [(jax.random.normal(k, (i, o)) / np.sqrt(i), jnp.zeros(o))
+            for k, i, o in zip(keys, sizes[:-1], sizes[1:])]
+
+  def mlp_loss(params, batch):
+    h = batch["x"]
+    for i, (w, b) in enumerate(params):
+      h = h @ w + b
+      h = jnp.tanh(h) if i < len(params) - 1 else h
+    return kfl.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+
+  opt = kfl.kfac_optimizer(mlp_loss, batch)
+
+  @jax.jit
+  def run(params):
+    def step(carry, _):
+      params, state = carry
+      grads = jax.grad(mlp_loss)(params, batch)
+      updates, state = opt.update(grads, state, params, batch=batch)
+      return (optax.apply_updates(params, updates), state), (
+          state.momentum, state.learning_rate, state.damping)
+    (params, state), trace = jax.lax.scan(
+        step, (params, opt.init(params)), None, 60)
+    return mlp_loss(params, batch), state, trace
+
+  initial = float(mlp_loss(params, batch))
+  final, state, (mu, alpha, damping) = run(params)
+  assert np.isfinite(float(final)) and float(final) < 0.1 * initial
+  assert np.all((mu >= 0) & (mu <= 0.99)) and np.all(alpha[1:] > 0)
+  floor = inspect.signature(kfl.kfac_optimizer).parameters["min_damping"].default
+  assert np.all(damping > floor)
+  assert kfl.health(state).ok
