@@ -9,15 +9,22 @@ update:
    of the registered losses; ``η`` the ``l2_reg``), minimise
    ``M(αΔ + μδ) = ½ [α μ] Q [α μ]ᵀ + [α μ]·b`` where
    ``Q_ij = v_iᵀ C v_j`` and ``b_i = gᵀ v_i`` for ``(v_1, v_2) = (Δ, δ)``:
-   ``[α, μ] = -Q⁻¹ b`` (just ``α`` on the first step). The quadratic forms
-   come from forward-mode products ``J v`` (``jax.jvp``), ``‖Bᵀ J v‖²``
-   weighted by the loss weights ``c`` read from the backward pass.
+   ``[α, μ] = -Q⁻¹ b`` (just ``α`` on the first step), with ``μ`` kept in
+   ``[0, max_momentum]`` (the model is convex, so the constrained optimum
+   is the clipped ``μ`` with ``α`` re-minimised for it: unclipped, ``μ``
+   reached -0.8 on an easy problem and the loss climbed back up). The
+   quadratic forms come from forward-mode products ``J v`` (``jax.jvp``),
+   ``‖Bᵀ J v‖²`` weighted by the loss weights ``c`` read from the
+   backward pass.
 2. **Levenberg–Marquardt damping** (§6.5). Every
    ``damping_adaptation_interval`` steps (T₁) the reduction ratio
    ``ρ = (L(θ + step) − L(θ)) / (M(step) − M(0))`` (with ``M`` the
    quadratic model without ``λ``) updates ``λ ← ωλ`` if ``ρ > ¾`` and
    ``λ ← λ/ω`` if ``ρ < ¼``, ``ω = damping_decay^{T₁}``, clipped to
-   ``[min_damping, max_damping]``.
+   ``[min_damping, max_damping]``. A non-finite ``ρ`` counts as a bad one
+   (λ rises), and a step whose new loss is not finite is also rejected (a
+   zero update); a step the model predicted no reduction for (e.g. a
+   skipped one) leaves λ as it was.
 
 Extra args: ``update(grads, state, params, *, batch)`` needs only the
 batch. To read the loss at the new parameters it evaluates
