@@ -119,7 +119,7 @@ def _update_fn(loss_name, estimation, damping_mode):
   loss_fn = {"classifier": classifier_loss, "registered_mse": registered_mse,
              "handwritten_mse": handwritten_mse}[loss_name]
   tx = kfl.kfac(loss_fn, batch64(), damping=LAM, estimation=estimation,
-                damping_mode=damping_mode)
+                damping_mode=damping_mode, norm_constraint=None)
 
   def first_update(params, batch):
     grads = jax.grad(loss_fn)(params, batch)
