@@ -80,9 +80,9 @@ def layers_of(params):
 
 
 def brute_update(params, batch, grads, damping, mode="exact", power=-1.0):
-  """``(F̂_l + λ)^p g_l`` per dense layer, from K-FAC factors formed by brute
-  force on ``batch`` (a mean loss: c_i = 1/n) and damped per ``mode``; as
-  ``{"dense{l}": (w update, b update)}``."""
+  """``{"dense{l}": (F̂_l + λ)^p g_l}`` over ``concat(w.ravel(), b)``, with
+  the K-FAC factors of F̂_l formed by brute force on ``batch`` (a mean
+  loss: c_i = 1/n) and damped per ``mode`` (``_helpers.damped_kron``)."""
   n = len(batch["x"])
   factors = _helpers.mlp_kfac_factors(layers_of(params), batch["x"],
                                       np.full(n, 1 / n))
@@ -200,8 +200,6 @@ def test_norm_constraint_scales_the_update_to_the_kl_bound():
   np.testing.assert_allclose(scale ** 2 * dot(full), 1e-6, rtol=1e-3)
   for c, f in zip(jax.tree.leaves(clipped), jax.tree.leaves(full)):
     np.testing.assert_allclose(c, scale * f, rtol=1e-4, atol=1e-9)
-  assert_update(full, brute_update(params, BATCH, grads, 0.1),
-                rtol=2e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["exact", "pi"])
