@@ -67,7 +67,7 @@ def test_learning_rate_and_momentum_minimise_the_exact_quadratic_model():
     velocity = state.velocity
     new, state = update(grads, state, params, batch=BATCH)
     lam = 0.5
-    g = np.asarray(ravel_pytree(grads)[0], np.float64)
+    g = _helpers.flat(grads)
     c = brute_ggn(params) + lam * np.eye(len(g))
     alpha, mu = float(state.learning_rate), float(state.momentum)
     s = np.asarray(ravel_pytree(new)[0], np.float64)
@@ -134,8 +134,8 @@ def _ratio_run(loss, params, batch, batch_key, ggn, steps):
     value, grads = jax.value_and_grad(loss)(params, batch)
     step, state = update(grads, state, params, batch=batch)
     new_params = optax.apply_updates(params, step)
-    s = np.asarray(ravel_pytree(step)[0], np.float64)
-    g = np.asarray(ravel_pytree(grads)[0], np.float64)
+    s = _helpers.flat(step)
+    g = _helpers.flat(grads)
     model = 0.5 * s @ ggn(params) @ s + g @ s
     change = float(loss(new_params, batch)) - float(value)
     out.append((float(state.rho), change / model))
@@ -182,7 +182,7 @@ def test_preconditioner_uses_the_adapted_damping():
   params = init_params()
   tx, update = adaptive()
   grads = jax.grad(loss_fn)(params, BATCH)
-  g = np.asarray(ravel_pytree(grads)[0], np.float64)
+  g = _helpers.flat(grads)
   kron = [_helpers.kron_block(a, gg) for a, gg in
           _helpers.mlp_kfac_factors(params, X, np.full(N, 1 / N))]
   offsets = np.cumsum([0] + [len(k) for k in kron])
@@ -198,7 +198,7 @@ def test_preconditioner_uses_the_adapted_damping():
     lam = float(state.damping)
     lams.append(lam)
     step, state = update(grads, state, params, batch=BATCH)
-    got = np.asarray(ravel_pytree(step)[0], np.float64)
+    got = _helpers.flat(step)
     want = float(state.learning_rate) * direction(lam)
     assert float(state.momentum) == 0.0
     np.testing.assert_allclose(got, want, rtol=2e-3,
