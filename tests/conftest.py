@@ -1,18 +1,12 @@
-"""Shared test helpers."""
-import contextlib
+"""pytest configuration: puts ``tests/`` on ``sys.path`` so that test files
+can import the shared helpers (``import _helpers``, ``import _brute``).
+
+``x64_mode`` lives in ``_helpers``; it is re-exported here only so that
+older ``from conftest import x64_mode`` imports keep working.
+"""
 import os
 import sys
 
-import jax
-
 sys.path.insert(0, os.path.dirname(__file__))
 
-
-def x64_mode(enabled: bool):
-  """A context with float64 enabled (or a no-op)."""
-  if not enabled:
-    return contextlib.nullcontext()
-  enable = getattr(jax, "enable_x64", None)
-  if enable is None:  # Older JAX.
-    from jax.experimental import enable_x64 as enable
-  return enable(True)
+from _helpers import x64_mode  # noqa: E402,F401  (re-export)

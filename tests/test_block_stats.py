@@ -10,7 +10,7 @@ from jax import lax
 import kfac_jax_lite as kfl
 
 import _brute
-from conftest import x64_mode
+from _helpers import x64_mode
 
 
 def rand(key, shape):
@@ -146,7 +146,7 @@ def test_embedding_is_dense_on_one_hot_inputs(mode, r):
   ids = np.array(jax.random.randint(jax.random.PRNGKey(r), (n, r), 0, vocab))
   ids[0, :] = 2  # Repeated ids in one example.
   cots = rand(7, (n, r, dim))
-  c = np.array([0.1, 0.2, 0.3, 0.4])
+  c = np.array([0.3, 0.6, 0.9, 1.2])  # Σc = 3: w = c/Σc and c differ.
   emb = kfl.KroneckerEmbedding(vocab, dim, weight_sharing=mode)
   dense = kfl.KroneckerDense((vocab, dim), weight_sharing=mode)
   with x64_mode(True):
@@ -168,6 +168,24 @@ def test_embedding_is_dense_on_one_hot_inputs(mode, r):
         _brute.jacobians(fn, params, ids), cots[None], c, mode)
     if mode == "expand" or r == 1:
       np.testing.assert_allclose(emb.to_dense(e_state), expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["expand", "reduce"])
+def test_embedding_loss_weights_scale_g_and_leave_a_unchanged(mode):
+  # Scaling the loss coefficients c by k (a sum instead of a mean, say)
+  # scales G = Σ c_i G_i by k and leaves A = Σ (c_i/Σc) A_i as it was; and
+  # A is the w-weighted share of lookups of each id.
+  ids = np.array([[2, 2, 0], [1, 3, 1], [4, 0, 0]])
+  cots = rand(8, (2, 3, 3, 2))
+  c = np.array([0.2, 0.5, 0.9])  # Σc = 1.6.
+  emb = kfl.KroneckerEmbedding(5, 2, weight_sharing=mode)
+  with x64_mode(True):
+    base, scaled = (emb.compute_stats(ids, cots, k * c) for k in (1.0, 2.5))
+    np.testing.assert_allclose(scaled.a, base.a, rtol=1e-12)
+    np.testing.assert_allclose(scaled.g, 2.5 * np.asarray(base.g), rtol=1e-12)
+    counts = np.stack([np.bincount(row, minlength=5) for row in ids]) / 3
+    share = counts if mode == "expand" else counts ** 2
+    np.testing.assert_allclose(base.a[0], c / c.sum() @ share, rtol=1e-12)
 
 
 @pytest.mark.parametrize("full", [False, True])

@@ -15,7 +15,7 @@ import pytest
 import kfac_jax_lite as kfl
 from kfac_jax_lite import factor as fac
 
-from conftest import x64_mode
+from _helpers import flat, sym_power, x64_mode
 
 
 def rand(key, shape, dtype=np.float64):
@@ -76,10 +76,6 @@ def make(name, dtype):
   return block, state
 
 
-def flat(v):
-  return np.concatenate([np.ravel(x) for x in v])
-
-
 def random_v(block, seed, dtype):
   return tuple(rand(seed + i, s, dtype) for i, s in enumerate(block.param_shapes))
 
@@ -100,11 +96,6 @@ def damped_dense(block, state, damping):
   damped = state._replace(a=kfl.update_cov(state.a, a_damped, 0.0),
                           g=kfl.update_cov(state.g, g_damped, 0.0))
   return np.asarray(block.to_dense(damped), np.float64)
-
-
-def sym_power(m, exp):
-  w, q = np.linalg.eigh(m)
-  return (q * w ** exp) @ q.T
 
 
 @pytest.mark.parametrize("x64", [False, True])

@@ -9,7 +9,7 @@ import pytest
 import kfac_jax_lite as kfl
 from kfac_jax_lite import factor as fac
 
-from conftest import x64_mode
+from _helpers import x64_mode
 
 SETTINGS = hypothesis.settings(max_examples=12, deadline=None)
 

@@ -85,7 +85,12 @@ def test_overrides_and_exclude():
   (grads,) = tl.layer_data(caps, {k: v * 4 for k, v in cts.items()})["w"]
   ref = jax.vmap(lambda x: jax.grad(loss)(P, x[None]))(X)
   np.testing.assert_allclose(grads[0], ref["w"], rtol=1e-5)
-  tl.layers[0].block.compute_stats(grads)
+  # Its statistics: the mean over examples of γ_i γ_iᵀ.
+  gamma = np.concatenate([np.asarray(ref[k], np.float64).reshape(4, -1)
+                          for k in tl.layers[0].params], 1)
+  assert gamma.shape[1] == sum(np.size(P[k]) for k in tl.layers[0].params)
+  np.testing.assert_allclose(tl.layers[0].block.compute_stats(grads),
+                             gamma.T @ gamma / 4, rtol=1e-5, atol=1e-7)
 
 
 def test_while_loop_layer_is_reported():

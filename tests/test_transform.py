@@ -1,4 +1,6 @@
 """``kfl.kfac`` as an optax transformation on one device."""
+import functools
+
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -7,6 +9,8 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
+
+import _helpers
 
 SIZES = (5, 8, 3)
 N = 16
@@ -70,25 +74,55 @@ def test_chains_with_optax_and_trains(name):
   assert int(kstate.count) == 30 and int(kstate.num_bad_grads) == 0
 
 
+def layers_of(params):
+  return [(params[f"dense{i}"]["w"], params[f"dense{i}"]["b"])
+          for i in range(len(SIZES) - 1)]
+
+
+def brute_update(params, batch, grads, damping, mode="exact", power=-1.0):
+  """``{"dense{l}": (F̂_l + λ)^p g_l}`` over ``concat(w.ravel(), b)``, with
+  the K-FAC factors of F̂_l formed by brute force on ``batch`` (a mean
+  loss: c_i = 1/n) and damped per ``mode`` (``_helpers.damped_kron``)."""
+  n = len(batch["x"])
+  factors = _helpers.mlp_kfac_factors(layers_of(params), batch["x"],
+                                      np.full(n, 1 / n))
+  out = {}
+  for i, (a, g) in enumerate(factors):
+    name = f"dense{i}"
+    v = np.concatenate([np.ravel(grads[name]["w"]), np.ravel(grads[name]["b"])])
+    u = _helpers.sym_power(_helpers.damped_kron(a, g, damping, mode), power) @ v
+    out[name] = u
+  return out
+
+
+def assert_update(updates, want, **tol):
+  for name, u in want.items():
+    got = np.concatenate([np.ravel(updates[name]["w"]),
+                          np.ravel(updates[name]["b"])])
+    np.testing.assert_allclose(got, u, err_msg=name, **tol)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(**options):
+  """``(tx, jit(tx.update))`` for ``kfl.kfac(loss_fn, BATCH, **options)``,
+  compiled once per configuration for the whole module."""
+  tx = kfl.kfac(loss_fn, BATCH, **options)
+  return tx, jax.jit(tx.update)
+
+
+# Exact statistics and exact damping: the first update is (F̂ + λ)⁻¹ g with
+# F̂ = A ⊗ G per layer, exactly.
+EXACT = dict(damping=0.1, estimation="exact", damping_mode="exact",
+             cov_decay=0.5, cov_every=1, inverse_every=10, norm_constraint=None)
+
+
 def test_first_update_is_the_natural_gradient_of_the_exact_blocks():
-  tx = kfl.kfac(loss_fn, BATCH, damping=0.1, estimation="exact", cov_decay=0.5,
-                damping_mode="exact", norm_constraint=None)
+  tx, update = compiled(**EXACT)
   params = init_params()
   grads = jax.grad(loss_fn)(params, BATCH)
-  updates, state = jax.jit(tx.update)(grads, tx.init(params), params, batch=BATCH)
-  fn = kfl.value_grad_and_stats(loss_fn, params, BATCH, estimation="exact",
-                                damping_mode="exact")
-  est = fn(params, BATCH, jax.random.PRNGKey(1))
-  for layer in fn.tagged.layers:
-    block = layer.block
-    bstate = block.update(block.init(), est.stats[layer.name], 0.5)
-    dense = block.to_dense(bstate)
-    g = jnp.concatenate([grads[layer.name.split("/")[0]][k].ravel()
-                         for k in ("w", "b")])
-    want = jnp.linalg.solve(dense + 0.1 * jnp.eye(len(g)), g)
-    got = jnp.concatenate([updates[layer.name.split("/")[0]][k].ravel()
-                           for k in ("w", "b")])
-    np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-5)
+  updates, state = update(grads, tx.init(params), params, batch=BATCH)
+  assert_update(updates, brute_update(params, BATCH, grads, 0.1),
+                rtol=2e-3, atol=1e-5)
 
 
 def test_state_round_trips_and_training_resumes_bit_for_bit():
@@ -152,29 +186,104 @@ def test_precomputed_stats_share_the_forward_pass():
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(u1))
 
 
-def test_options_power_norm_constraint_fraction_schedule():
+def test_norm_constraint_scales_the_update_to_the_kl_bound():
   params = init_params()
   grads = jax.grad(loss_fn)(params, BATCH)
-  base = dict(estimation="exact", damping=0.1, norm_constraint=None)
-  full, _ = kfl.kfac(loss_fn, BATCH, **base).update(
-      grads, kfl.kfac(loss_fn, BATCH, **base).init(params), params, batch=BATCH)
-  tx = kfl.kfac(loss_fn, BATCH, **dict(base, norm_constraint=1e-6))
-  clipped, _ = tx.update(grads, tx.init(params), params, batch=BATCH)
+  tx, update = compiled(**EXACT)
+  full, _ = update(grads, tx.init(params), params, batch=BATCH)
+  tx, update = compiled(**dict(EXACT, norm_constraint=1e-6))
+  clipped, _ = update(grads, tx.init(params), params, batch=BATCH)
   dot = lambda a: sum(jnp.vdot(u, g) for u, g in zip(jax.tree.leaves(a),
                                                      jax.tree.leaves(grads)))
   # The clipped update s·u has s²⟨u, g⟩ = s² uᵀFu = the constraint.
   scale = dot(clipped) / dot(full)
   np.testing.assert_allclose(scale ** 2 * dot(full), 1e-6, rtol=1e-3)
-  ratio = jax.tree.leaves(clipped)[0] / jax.tree.leaves(full)[0]
-  np.testing.assert_allclose(ratio, ratio.ravel()[0], rtol=1e-4)
-  tx = kfl.kfac(loss_fn, BATCH, precon_power=-0.5, **base)
-  half, _ = tx.update(grads, tx.init(params), params, batch=BATCH)
-  assert not np.allclose(jax.tree.leaves(half)[0], jax.tree.leaves(full)[0])
+  for c, f in zip(jax.tree.leaves(clipped), jax.tree.leaves(full)):
+    np.testing.assert_allclose(c, scale * f, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["exact", "pi"])
+def test_precon_power_half_is_the_inverse_square_root_of_the_damped_blocks(mode):
+  params = init_params()
+  grads = jax.grad(loss_fn)(params, BATCH)
+  tx, update = compiled(**dict(EXACT, damping=0.05, damping_mode=mode,
+                                precon_power=-0.5))
+  half, _ = update(grads, tx.init(params), params, batch=BATCH)
+  want = brute_update(params, BATCH, grads, 0.05, mode, power=-0.5)
+  assert_update(half, want, rtol=2e-3, atol=1e-5)
+  # And it is not the natural gradient (p = -1).
+  natural = brute_update(params, BATCH, grads, 0.05, mode, power=-1.0)
+  assert all(np.linalg.norm(natural[k] - want[k]) > 0.1 * np.linalg.norm(
+      want[k]) for k in want)
+
+
+@pytest.mark.parametrize("mode", ["exact", "pi"])
+def test_damping_given_to_update_reaches_the_preconditioner(mode):
+  # update(..., damping=λ) on a transform configured with another damping
+  # gives the brute-force (F̂ + λ)⁻¹ g under the damping mode, and (exact
+  # mode) equals the update of a transform built with damping=λ.
+  params = init_params()
+  grads = jax.grad(loss_fn)(params, BATCH)
+  tx, update = compiled(**dict(EXACT, damping_mode=mode))
+  given, _ = update(grads, tx.init(params), params, batch=BATCH, damping=0.03)
+  want = brute_update(params, BATCH, grads, 0.03, mode)
+  assert_update(given, want, rtol=2e-3, atol=1e-5)
+  configured = brute_update(params, BATCH, grads, 0.1, mode)
+  assert all(np.linalg.norm(configured[k] - want[k]) > 0.2 * np.linalg.norm(
+      want[k]) for k in want)
+  if mode == "exact":
+    built, update = compiled(**dict(EXACT, damping=0.03))
+    same, _ = update(grads, built.init(params), params, batch=BATCH)
+    for a, b in zip(jax.tree.leaves(given), jax.tree.leaves(same)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_damping_schedule_and_stats_fraction_values():
+  # λ_t = 0.1^t (an optax schedule of the step); statistics from the first
+  # quarter of the batch (4 of 16 examples); refreshed every step. With the
+  # same params and batch each step the EMA of the statistics is constant, so
+  # update t is (F̂[:4] + λ_t)⁻¹ g exactly.
+  params = init_params()
+  grads = jax.grad(loss_fn)(params, BATCH)
   schedule = optax.exponential_decay(1.0, 1, 0.1)
-  tx = kfl.kfac(loss_fn, BATCH, damping=schedule, stats_fraction=0.25,
-                inverse_every=1, estimation="exact")
-  _, state, losses = train(optax.chain(tx, optax.sgd(0.05)), 5)
-  assert int(state[0].count) == 5 and np.isfinite(losses[-1])
+  tx, update = compiled(damping=schedule, stats_fraction=0.25, inverse_every=1,
+                        estimation="exact", damping_mode="exact",
+                        cov_decay=0.9)
+  state = tx.init(params)
+  quarter = jax.tree.map(lambda x: x[:4], BATCH)
+  for step in range(3):
+    updates, state = update(grads, state, params, batch=BATCH)
+    lam = 0.1 ** step
+    want = brute_update(params, quarter, grads, lam)
+    assert_update(updates, want, rtol=2e-3, atol=1e-5 * lam ** -0.5)
+  whole = brute_update(params, BATCH, grads, lam)
+  assert all(np.linalg.norm(whole[k] - want[k]) > 0.05 * np.linalg.norm(
+      want[k]) for k in want)
+
+
+def test_broken_cache_falls_back_to_the_gradient_and_is_counted():
+  # After one good step (statistics and a refresh), poison every factor
+  # array of the block states (factors and cached decompositions; the
+  # scalar bookkeeping stays) and take a step that does not refresh: the
+  # update (F̂ + λ)⁻¹ g is NaN although g is finite, so the raw gradient is
+  # used and num_bad_updates counts it; num_bad_grads does not.
+  params = init_params()
+  grads = jax.grad(loss_fn)(params, BATCH)
+  tx, update = compiled(**EXACT)  # Refreshes at step 0 only (of 0..9).
+  _, state = update(grads, tx.init(params), params, batch=BATCH)
+  assert int(state.count) == 1 and int(state.num_bad_updates) == 0
+  poison = lambda x: (jnp.full_like(x, jnp.nan) if jnp.ndim(x) and
+                      jnp.issubdtype(x.dtype, jnp.floating) else x)
+  state = state._replace(blocks=jax.tree.map(poison, state.blocks))
+  updates, new = update(grads, state, params, batch=BATCH)
+  for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(grads)):
+    np.testing.assert_array_equal(u, g)
+  assert int(new.num_bad_updates) == 1 and int(new.num_bad_grads) == 0
+  # A non-finite gradient is a skipped step (zero update) instead.
+  bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
+  updates, new = update(bad, new, params, batch=BATCH)
+  assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+  assert int(new.num_bad_updates) == 1 and int(new.num_bad_grads) == 1
 
 
 def test_bad_arguments_are_named():
