@@ -83,6 +83,25 @@ def _tagged(name):
   return find_layers(loss, params, batch)
 
 
+def _forward(tl, params, batch):
+  """``(loss, vjp_fn, captures)`` of the rewritten loss, one forward pass;
+  ``vjp_fn(ct)`` gives ``(param_grads, probe_cotangents)``."""
+  def f(p, probes):
+    loss, _, caps = tl.apply(p, batch, probes)
+    return loss, caps
+  return jax.vjp(f, params, tl.zero_probes(params, batch), has_aux=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _probed(name):
+  """``(loss, grads, captures, probe cotangents)`` of the rewritten loss
+  (eager: compiling each model costs more)."""
+  loss, params, batch = _model(name)
+  l, vjp, caps = _forward(_tagged(name), params, batch)
+  grads, probe_cts = vjp(jnp.ones_like(l))
+  return l, grads, caps, probe_cts
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_describe_table(name):
   loss, params, batch = _model(name)
@@ -104,14 +123,9 @@ def test_captures_reproduce_per_example_grads(name):
   loss, params, batch = _model(name)
   tl = _tagged(name)
   n = jax.tree.leaves(batch)[0].shape[0]
-
-  def stats(params, batch):  # eager: compiling each model costs more
-    l, _, caps, vjp = tl.value_and_stats_inputs(params, batch)
-    grads, probe_cts = vjp(jnp.ones_like(l))
-    cts = {k: v * n for k, v in probe_cts.items()}   # mean loss: c_i = 1/N
-    return l, grads, tl.per_example_grads(caps, cts)
-
-  l, grads, per_ex = stats(params, batch)
+  l, grads, caps, probe_cts = _probed(name)
+  cts = {k: v * n for k, v in probe_cts.items()}   # mean loss: c_i = 1/N
+  per_ex = tl.per_example_grads(caps, cts)
   np.testing.assert_allclose(l, loss(params, batch), rtol=1e-5)
   ref = jax.vmap(lambda ex: jax.grad(loss)(
       params, jax.tree.map(lambda x: x[None], ex)))(batch)
@@ -141,7 +155,7 @@ def test_one_forward_pass_under_jit(name):
   tl = _tagged(name)
 
   def both(params, batch):
-    l, _, caps, vjp = tl.value_and_stats_inputs(params, batch)
+    l, vjp, caps = _forward(tl, params, batch)
     return l, caps, vjp(jnp.ones_like(l))
   ops = {"dot_general", "conv_general_dilated"}
   ref = _count(jax.make_jaxpr(jax.jit(jax.value_and_grad(loss)))(params, batch).jaxpr, ops)
@@ -157,21 +171,42 @@ def test_other_batch_size_and_stable_names():
   np.testing.assert_allclose(l, loss(params, big), rtol=1e-5)
   again = find_layers(loss, params, big)
   assert [x.name for x in again.layers] == [x.name for x in tl.layers]
-  assert [x.block for x in again.layers] == [x.block for x in tl.layers]
+  assert [x.spec for x in again.layers] == [x.spec for x in tl.layers]
+  assert ([x.block for x in again.with_blocks().layers]
+          == [x.block for x in tl.with_blocks().layers])
 
 
-def test_layer_data_feeds_compute_stats():
-  loss, params, batch = _model("jax_transformer")
-  tl = _tagged("jax_transformer")
-  l, _, caps, vjp = tl.value_and_stats_inputs(params, batch)
-  _, cts = vjp(jnp.ones_like(l))
+def test_layer_data_feeds_the_blocks_statistics():
+  tl = _tagged("jax_transformer").with_blocks()
+  _, _, caps, cts = _probed("jax_transformer")
   data = tl.layer_data(caps, cts)
+  # Two samples of the cotangents, g and 2g: the statistics average over
+  # samples, so every curvature is (1 + 4) / 2 times the one of g alone.
+  data2 = tl.layer_data(caps, {k: jnp.stack([v, 2 * v]) for k, v in cts.items()})
   for layer in tl.detected:
-    stats = layer.block.compute_stats(*data[layer.name])
-    state = layer.block.update(layer.block.init(), stats, 0.9)
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))
-  # With a samples axis on the cotangents (tied embedding included).
-  cts2 = {k: jnp.stack([v, 2 * v]) for k, v in cts.items()}
-  data2 = tl.layer_data(caps, cts2)
-  for layer in tl.detected:
-    layer.block.compute_stats(*data2[layer.name])
+    block = layer.block
+    dense = [block.to_dense(block.update(block.init(), block.layer_stats(d[layer.name]), 0.9))
+             for d in (data, data2)]
+    assert np.all(np.isfinite(dense[0])) and np.abs(dense[0]).max() > 0
+    if not layer.notes.startswith("tied"):  # Tied: samples fold into the uses.
+      np.testing.assert_allclose(dense[1], 2.5 * dense[0], rtol=1e-5,
+                                 atol=1e-7, err_msg=layer.name)
+
+
+def test_block_policy_is_chosen_after_detection_without_retracing():
+  loss, params, batch = _model("jax_mlp")
+  traces = []
+
+  def counted(p, b):
+    traces.append(1)
+    return loss(p, b)
+  tl = find_layers(counted, params, batch)
+  assert all(l.block is None for l in tl.layers)
+  n = len(traces)
+  pi = tl.with_blocks()
+  exact = tl.with_blocks(damping_mode="exact", weight_sharing="reduce")
+  assert len(traces) == n   # choosing blocks does not trace the loss again
+  assert [l.block.damping_mode for l in pi.layers] == ["pi", "pi"]
+  assert [(l.block.damping_mode, l.block.weight_sharing)
+          for l in exact.layers] == [("exact", "reduce")] * 2
+  assert [l.spec for l in exact.layers] == [l.spec for l in tl.layers]

@@ -54,7 +54,7 @@ class KfacState(NamedTuple):
 def _slice_batch(batch, fraction):
   if fraction >= 1.0:
     return batch
-  n = tagging._tagged._batch_size(batch)
+  n = tagging.batch_size(batch)
   if n is None:
     raise ValueError("stats_fraction < 1 needs batch arrays that share one "
                      "leading batch size")
@@ -63,7 +63,8 @@ def _slice_batch(batch, fraction):
 
 
 def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):
-  """``tagging.find_layers``, once per params structure, shapes and dtypes."""
+  """``tagging.find_layers`` (the detection, no blocks), once per params
+  structure, shapes and dtypes."""
   leaves, treedef = jax.tree.flatten(params)
   sig = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
   if sig not in cache:
@@ -71,29 +72,18 @@ def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):
   return cache[sig]
 
 
-def _stacked(layer, fn):
-  return jax.vmap(fn) if layer.stack else fn
-
-
 class _Layers:
-  """The detected layers of one params structure, and per-layer helpers."""
+  """The layers of one params structure with their blocks, and helpers."""
 
   def __init__(self, tagged: tagging.TaggedLoss):
     self.tagged = tagged
     self.layers = tagged.layers
 
   def init(self):
-    states = {}
-    for l in self.layers:
-      s = l.block.init()
-      if l.stack:
-        s = jax.tree.map(lambda x: jnp.broadcast_to(x, (l.stack,) + x.shape), s)
-      states[l.name] = s
-    return states
+    return {l.name: l.block.init() for l in self.layers}
 
   def vectors(self, layer, leaves):
-    lead = (layer.stack,) if layer.stack else ()
-    return tuple(leaves[i].reshape(lead + tuple(s))
+    return tuple(leaves[i].reshape(s)
                  for i, s in zip(layer.leaves, layer.block.param_shapes))
 
 
@@ -148,12 +138,11 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
   layers: dict = {}
 
   def layers_for(params) -> _Layers:
-    tagged = find_layers_cached(
-        cache, loss_fn, params, example_batch, has_aux=has_aux, blocks=blocks,
-        exclude=exclude, weight_sharing=weight_sharing,
-        damping_mode=damping_mode)
+    tagged = find_layers_cached(cache, loss_fn, params, example_batch,
+                                has_aux=has_aux, exclude=exclude)
     if tagged not in layers:
-      layers[tagged] = _Layers(tagged)
+      layers[tagged] = _Layers(tagged.with_blocks(
+          blocks, damping_mode=damping_mode, weight_sharing=weight_sharing))
     return layers[tagged]
 
   def init_fn(params):
@@ -181,19 +170,20 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
       raise ValueError(f"batch structure {jax.tree.structure(batch)} differs "
                        f"from the example batch's {lay.tagged.batch_treedef}")
 
-    def new_stats():
+    def new_stats(states):
       if stats is not None:
         s = stats
       else:
         s = estimators.estimate(
             lay.tagged, params, _slice_batch(batch, stats_fraction), stats_key,
-            estimation=estimation, num_samples=num_samples).stats
+            estimation=estimation, num_samples=num_samples,
+            states=states).stats
       return jax.lax.pmean(s, axis_name) if axis_name else s
 
     def accumulate(states):
-      s = new_stats()
-      return {l.name: _stacked(l, lambda st, x, b=l.block: b.update(
-          st, x, cov_decay))(states[l.name], s[l.name]) for l in lay.layers}
+      s = new_stats(states)
+      return {l.name: l.block.update(states[l.name], s[l.name], cov_decay)
+              for l in lay.layers}
 
     states = jax.lax.cond(state.count % cov_every == 0, accumulate,
                           lambda st: st, state.blocks)
@@ -201,8 +191,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
     def refresh(states):
       out = {}
       for i, l in enumerate(lay.layers):
-        fn = _stacked(l, lambda st, b=l.block: b.refresh(
-            st, lam, precon_power, step=state.count))
+        fn = lambda st, b=l.block: b.refresh(st, lam, precon_power,
+                                             step=state.count)
         if axis_name is None:
           out[l.name] = fn(states[l.name])
         else:
@@ -217,9 +207,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=1e-3,
     leaves, treedef = jax.tree.flatten(grads)
     out = list(leaves)
     for l in lay.layers:
-      fn = _stacked(l, lambda st, v, b=l.block: b.multiply_matpower(
-          st, v, lam, precon_power, use_cache=True))
-      u = fn(states[l.name], lay.vectors(l, leaves))
+      u = l.block.multiply_matpower(states[l.name], lay.vectors(l, leaves),
+                                    lam, precon_power, use_cache=True)
       for i, x in zip(l.leaves, u):
         out[i] = x.reshape(leaves[i].shape).astype(leaves[i].dtype)
     if norm_constraint is not None:
