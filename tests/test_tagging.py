@@ -138,6 +138,20 @@ def test_captures_reproduce_per_example_grads(name):
                                err_msg=path)
 
 
+def test_per_example_grads_keep_the_samples_apart():
+  # Two samples of the cotangents, g and 2g, give gradients γ and 2γ for
+  # every parameter, the tied embedding's (lookups + transposed use) too.
+  tl = _tagged("jax_transformer")
+  _, _, caps, cts = _probed("jax_transformer")
+  one = tl.per_example_grads(caps, cts)
+  two = tl.per_example_grads(caps, {k: jnp.stack([v, 2 * v])
+                                    for k, v in cts.items()})
+  assert set(one) == set(two) and "embed" in one
+  for path, g in one.items():
+    np.testing.assert_allclose(two[path], np.stack([g, 2 * g]), rtol=1e-5,
+                               atol=1e-7, err_msg=path)
+
+
 def _count(jaxpr, names):
   n = 0
   for eqn in jaxpr.eqns:

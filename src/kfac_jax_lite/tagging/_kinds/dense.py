@@ -179,16 +179,45 @@ class DenseSpec(LayerSpec):
       return jnp.concatenate(ins, axis=1), jnp.concatenate(outs, axis=1)[None]
     return jnp.concatenate(ins, axis=1), jnp.concatenate(outs, axis=2)
 
-  def per_example_grads(self, inputs, cotangents):
+  def gradients(self, uses, captures, cotangents, stacked):
+    """A layer with transposed uses sums each use's own gradients: its
+    ``data`` folds the samples into the shared axis, which keeps the
+    Kronecker factors but not the per-sample gradients."""
+    if "swapped" not in self.roles:
+      return super().gradients(uses, captures, cotangents, stacked)
+    base = 1 if stacked else 0
+    parts = [self._use_data(u, r, captures[u.uid], cotangents[u.uid], base)
+             for u, r in zip(uses, self.roles)]
+
+    def total(parts):  # Swapped uses have the samples on their "inputs".
+      return sum(self._kernel_grads(*((a, g[None]) if r == "swapped"
+                                      else (a[None], g)))
+                 for (a, g), r in zip(parts, self.roles))
+    return (jax.vmap(total)(parts) if stacked else total(parts),)
+
+  def _kernel_grads(self, inputs, cotangents):
+    """``[S, N, *kernel_shape]`` from ``inputs [S', N, *sh, *in]`` and
+    ``cotangents [S'', N, *sh, *out]`` (S' or S'' may be 1: broadcast)."""
     k = tuple(self.kernel_shape)
     in_axes, out_axes = tuple(self.in_axes), self.out_axes
-    n = inputs.shape[0]
-    a = inputs.reshape(n, -1, math.prod(k[i] for i in in_axes))
-    g = cotangents.reshape(cotangents.shape[0], n, a.shape[1], -1)
-    w = jnp.einsum("nri,snro->snio", a, g)
+    n = inputs.shape[1]
+    a = inputs.reshape(inputs.shape[:1] + (n, -1, math.prod(
+        k[i] for i in in_axes)))
+    g = cotangents.reshape(cotangents.shape[:1] + (n, a.shape[2], -1))
+    s = max(a.shape[0], g.shape[0])
+    a = jnp.broadcast_to(a, (s,) + a.shape[1:])
+    g = jnp.broadcast_to(g, (s,) + g.shape[1:])
+    w = jnp.einsum("snri,snro->snio", a, g)
     w = w.reshape(w.shape[:2] + tuple(k[i] for i in in_axes + out_axes))
-    w = jnp.transpose(w, (0, 1) + tuple(2 + int(p) for p in np.argsort(
+    return jnp.transpose(w, (0, 1) + tuple(2 + int(p) for p in np.argsort(
         in_axes + out_axes)))
+
+  def per_example_grads(self, inputs, cotangents):
+    w = self._kernel_grads(inputs[None], cotangents)
     if not self.has_bias:
       return (w,)
-    return w, g.sum(2).reshape(w.shape[:2] + tuple(k[i] for i in out_axes))
+    n = inputs.shape[0]
+    g = cotangents.reshape(cotangents.shape[0], n, -1, math.prod(
+        self.kernel_shape[i] for i in self.out_axes))
+    return w, g.sum(2).reshape(w.shape[:2] + tuple(
+        self.kernel_shape[i] for i in self.out_axes))
