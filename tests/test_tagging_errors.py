@@ -131,3 +131,29 @@ def test_full_override_of_a_scan_stacked_layer():
   u = np.concatenate([per_ex["w"].reshape(3, 3, -1), per_ex["b"]], -1)
   np.testing.assert_allclose(stats, np.einsum("nlp,nlq->lpq", u, u) / 3,
                              rtol=1e-4, atol=1e-7)
+
+
+def test_kfac_hands_each_block_its_state_for_its_statistics():
+  # A block whose statistics depend on its state (EKFAC's eigenbasis) gets
+  # the current state in layer_stats.
+  import dataclasses
+  from typing import Any
+  import kfac_jax_lite as kfl
+  seen = []
+
+  @dataclasses.dataclass(frozen=True)
+  class Stateful:
+    inner: Any
+
+    def __getattr__(self, attr):
+      return getattr(self.inner, attr)
+
+    def layer_stats(self, data, state=None):
+      seen.append(jax.tree.structure(state))
+      return self.inner.layer_stats(data, state)
+
+  tx = kfl.kfac(loss, X, estimation="empirical", damping=0.1,
+                blocks={"dense": lambda layer: Stateful(layer.block)})
+  state = tx.init(P)
+  tx.update(jax.grad(loss)(P, X), state, P, batch=X)
+  assert seen == [jax.tree.structure(B.KroneckerDense((3, 2), has_bias=True).init())]
