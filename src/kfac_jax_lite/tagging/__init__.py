@@ -57,7 +57,10 @@ therefore one ``KroneckerDense`` over the table ``[vocab, dim]`` with
 output cotangents of the ``x @ Eᵀ`` uses. With a samples axis on the
 cotangents and a transposed use, the samples are folded into the shared
 axis (inputs repeated, cotangents scaled by ``1/sqrt(S)``), which keeps
-``"expand"`` exact; ``"reduce"`` is then an approximation.
+``"expand"`` exact; ``"reduce"`` is then an approximation. (Per-example
+gradients, for ``Full``/``NaiveDiagonal`` overrides, sum each use's own
+and keep the samples apart.) All of this is the dense kind's
+(``_kinds/dense.py``).
 
 Unsupported (fallback with the reason)
 --------------------------------------
