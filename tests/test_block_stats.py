@@ -251,3 +251,47 @@ def test_bf16_activations_give_float32_statistics():
   out = block.multiply_inverse(state, (jnp.ones((3, 2), jnp.bfloat16),
                                        jnp.ones((2,), jnp.bfloat16)), 0.1)
   assert all(o.dtype == jnp.bfloat16 for o in out)
+
+
+def test_gradient_blocks_layer_stats_weight_each_example_and_sample():
+  # LayerData.grads [S, N, *shape]: Σ_i c_i (1/S) Σ_s γ_si γ_siᵀ.
+  grads = (rand(0, (2, 3, 2, 3)), rand(1, (2, 3, 3)))
+  c = np.array([0.5, 1.0, 3.0])
+  u = np.concatenate([grads[0].reshape(2, 3, -1), grads[1]], -1)
+  expected = np.einsum("n,snp,snq->pq", c, u, u) / 2
+  with x64_mode(True):
+    for cls in (kfl.Full, kfl.NaiveDiagonal):
+      block = cls(((2, 3), (3,)))
+      got = block.layer_stats(kfl.blocks.LayerData(grads=grads, weights=c))
+      want = expected if cls is kfl.Full else np.diag(expected)
+      np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_stacked_block_is_block_diagonal_over_its_slices():
+  n, m, r, s = 3, 4, 2, 2
+  inner = kfl.KroneckerDense((3, 2), has_bias=True, damping_mode="exact")
+  block = kfl.blocks.Stacked(inner, n)
+  xs, cots = rand(0, (n, m, r, 3)), rand(1, (s, n, m, r, 2))
+  cots = np.moveaxis(cots, 0, 1)  # [n, S, N, R, out]
+  c = np.abs(rand(2, (m,))) + 0.1
+  assert block.param_shapes == ((n, 3, 2), (n, 2))
+  with x64_mode(True):
+    stats = block.layer_stats(kfl.blocks.LayerData(xs, cots, c))
+    state = block.update(block.init(jnp.float64), stats, 0.5)
+    slices = [inner.update(inner.init(jnp.float64),
+                           inner.compute_stats(xs[l], cots[l], c), 0.5)
+              for l in range(n)]
+    # Flat order: the kernels [n, 3, 2] raveled, then the biases [n, 2].
+    index = [np.concatenate([l * 6 + np.arange(6), n * 6 + l * 2 + np.arange(2)])
+             for l in range(n)]
+    expected = np.zeros((n * 8, n * 8))
+    for l in range(n):
+      expected[np.ix_(index[l], index[l])] = inner.to_dense(slices[l])
+    dense = np.asarray(block.to_dense(state))
+    np.testing.assert_allclose(dense, expected, atol=1e-12)
+    v = (rand(3, (n, 3, 2)), rand(4, (n, 2)))
+    flat = np.concatenate([x.ravel() for x in v])
+    out = block.multiply_inverse(state, v, 0.1)
+    np.testing.assert_allclose(
+        np.concatenate([np.ravel(x) for x in out]),
+        np.linalg.solve(dense + 0.1 * np.eye(n * 8), flat), rtol=1e-8)

@@ -83,6 +83,25 @@ def _tagged(name):
   return find_layers(loss, params, batch)
 
 
+def _forward(tl, params, batch):
+  """``(loss, vjp_fn, captures)`` of the rewritten loss, one forward pass;
+  ``vjp_fn(ct)`` gives ``(param_grads, probe_cotangents)``."""
+  def f(p, probes):
+    loss, _, caps = tl.apply(p, batch, probes)
+    return loss, caps
+  return jax.vjp(f, params, tl.zero_probes(params, batch), has_aux=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _probed(name):
+  """``(loss, grads, captures, probe cotangents)`` of the rewritten loss
+  (eager: compiling each model costs more)."""
+  loss, params, batch = _model(name)
+  l, vjp, caps = _forward(_tagged(name), params, batch)
+  grads, probe_cts = vjp(jnp.ones_like(l))
+  return l, grads, caps, probe_cts
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_describe_table(name):
   loss, params, batch = _model(name)
@@ -104,14 +123,9 @@ def test_captures_reproduce_per_example_grads(name):
   loss, params, batch = _model(name)
   tl = _tagged(name)
   n = jax.tree.leaves(batch)[0].shape[0]
-
-  def stats(params, batch):  # eager: compiling each model costs more
-    l, _, caps, vjp = tl.value_and_stats_inputs(params, batch)
-    grads, probe_cts = vjp(jnp.ones_like(l))
-    cts = {k: v * n for k, v in probe_cts.items()}   # mean loss: c_i = 1/N
-    return l, grads, tl.per_example_grads(caps, cts)
-
-  l, grads, per_ex = stats(params, batch)
+  l, grads, caps, probe_cts = _probed(name)
+  cts = {k: v * n for k, v in probe_cts.items()}   # mean loss: c_i = 1/N
+  per_ex = tl.per_example_grads(caps, cts)
   np.testing.assert_allclose(l, loss(params, batch), rtol=1e-5)
   ref = jax.vmap(lambda ex: jax.grad(loss)(
       params, jax.tree.map(lambda x: x[None], ex)))(batch)
@@ -122,6 +136,20 @@ def test_captures_reproduce_per_example_grads(name):
     np.testing.assert_allclose(x, ref[path], rtol=2e-4, atol=2e-5, err_msg=path)
     np.testing.assert_allclose(g[path], gref[path], rtol=2e-4, atol=2e-5,
                                err_msg=path)
+
+
+def test_per_example_grads_keep_the_samples_apart():
+  # Two samples of the cotangents, g and 2g, give gradients γ and 2γ for
+  # every parameter, the tied embedding's (lookups + transposed use) too.
+  tl = _tagged("jax_transformer")
+  _, _, caps, cts = _probed("jax_transformer")
+  one = tl.per_example_grads(caps, cts)
+  two = tl.per_example_grads(caps, {k: jnp.stack([v, 2 * v])
+                                    for k, v in cts.items()})
+  assert set(one) == set(two) and "embed" in one
+  for path, g in one.items():
+    np.testing.assert_allclose(two[path], np.stack([g, 2 * g]), rtol=1e-5,
+                               atol=1e-7, err_msg=path)
 
 
 def _count(jaxpr, names):
@@ -141,7 +169,7 @@ def test_one_forward_pass_under_jit(name):
   tl = _tagged(name)
 
   def both(params, batch):
-    l, _, caps, vjp = tl.value_and_stats_inputs(params, batch)
+    l, vjp, caps = _forward(tl, params, batch)
     return l, caps, vjp(jnp.ones_like(l))
   ops = {"dot_general", "conv_general_dilated"}
   ref = _count(jax.make_jaxpr(jax.jit(jax.value_and_grad(loss)))(params, batch).jaxpr, ops)
@@ -157,7 +185,9 @@ def test_other_batch_size_and_stable_names():
   np.testing.assert_allclose(l, loss(params, big), rtol=1e-5)
   again = find_layers(loss, params, big)
   assert [x.name for x in again.layers] == [x.name for x in tl.layers]
-  assert [x.block for x in again.layers] == [x.block for x in tl.layers]
+  assert [x.spec for x in again.layers] == [x.spec for x in tl.layers]
+  assert ([x.block for x in again.with_blocks().layers]
+          == [x.block for x in tl.with_blocks().layers])
 
 
 def _per_example_flat(name, tl):
@@ -172,17 +202,17 @@ def _per_example_flat(name, tl):
           for l in tl.layers}
 
 
-def _stats(tl, params, batch):
-  """``{layer name: compute_stats(*layer_data)}`` with the cotangents
+def _stats(tl, name):
+  """``{layer name: layer_stats(layer_data)}`` with the cotangents
   ``∂ℓ_i/∂y``, and again with a samples axis holding them times (1, 2)."""
-  l, _, caps, vjp = tl.value_and_stats_inputs(params, batch)
-  _, cts = vjp(jnp.ones_like(l))
+  _, params, batch = _model(name)
+  _, _, caps, cts = _probed(name)
   n = jax.tree.leaves(batch)[0].shape[0]
   cts = {k: v * n for k, v in cts.items()}  # A mean loss: c_i = 1/N.
   out = []
   for c in (cts, {k: jnp.stack([v, 2 * v]) for k, v in cts.items()}):
     data = tl.layer_data(caps, c)
-    out.append({layer.name: layer.block.compute_stats(*data[layer.name])
+    out.append({layer.name: layer.block.layer_stats(data[layer.name])
                 for layer in tl.detected})
   return out
 
@@ -199,12 +229,12 @@ def test_layer_data_feeds_compute_stats():
   # Every block as a diagonal one (DiagonalDense, the tied embedding
   # included, and ScaleAndShift): Σ_i c_i γ_i² of the per-example
   # gradients γ_i, which vmap(grad) gives independently.
-  tl = find_layers(loss, params, batch, blocks={
+  tl = _tagged("jax_transformer").with_blocks({
       "dense": "diagonal", "embedding": "diagonal"})
   kinds = {type(l.block).__name__ for l in tl.layers}
   assert kinds == {"DiagonalDense", "ScaleAndShift"}, kinds
   want = _per_example_flat("jax_transformer", tl)
-  stats, stats2 = _stats(tl, params, batch)
+  stats, stats2 = _stats(tl, "jax_transformer")
   for layer in tl.detected:
     block = layer.block
     got = np.diag(block.to_dense(block.update(block.init(), stats[layer.name],
@@ -221,8 +251,8 @@ def test_layer_data_feeds_compute_stats():
                                  atol=1e-9, err_msg=layer.name)
   # The default Kronecker blocks take the same data: the input factor does
   # not see the cotangents, the output factor averages over samples.
-  tl = _tagged("jax_transformer")
-  stats, stats2 = _stats(tl, params, batch)
+  tl = _tagged("jax_transformer").with_blocks()
+  stats, stats2 = _stats(tl, "jax_transformer")
   for layer in tl.detected:
     if layer.kind == "scale_and_shift" or layer.name == TIED:
       continue
@@ -231,3 +261,22 @@ def test_layer_data_feeds_compute_stats():
     np.testing.assert_allclose(two.g, 2.5 * np.asarray(one.g), rtol=1e-5,
                                atol=1e-9, err_msg=layer.name)
     assert np.abs(one.g).max() > 0 and np.abs(one.a).max() > 0, layer.name
+
+
+def test_block_policy_is_chosen_after_detection_without_retracing():
+  loss, params, batch = _model("jax_mlp")
+  traces = []
+
+  def counted(p, b):
+    traces.append(1)
+    return loss(p, b)
+  tl = find_layers(counted, params, batch)
+  assert all(l.block is None for l in tl.layers)
+  n = len(traces)
+  pi = tl.with_blocks()
+  exact = tl.with_blocks(damping_mode="exact", weight_sharing="reduce")
+  assert len(traces) == n   # choosing blocks does not trace the loss again
+  assert [l.block.damping_mode for l in pi.layers] == ["pi", "pi"]
+  assert [(l.block.damping_mode, l.block.weight_sharing)
+          for l in exact.layers] == [("exact", "reduce")] * 2
+  assert [l.spec for l in exact.layers] == [l.spec for l in tl.layers]

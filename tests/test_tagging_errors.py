@@ -65,32 +65,43 @@ def test_incompatible_kinds_fallback():
     return jnp.mean((x @ p["w"]) ** 2) + jnp.mean((x[:, :, None] * p["w"]) ** 2)
   (row,) = describe(f, p, X)
   assert row.kind == "fallback", row
-  assert row.notes == "used as dense and scale/shift (incompatible layer kinds)"
+  assert row.notes == "used as dense and scale_and_shift (incompatible layer kinds)"
 
 
 def test_overrides_and_exclude():
-  tl = find_layers(loss, P, X, blocks={"w": "diagonal"})
-  assert type(tl.layers[0].block).__name__ == "DiagonalDense"
-  tl = find_layers(loss, P, X, blocks={"dense": "full"})
-  assert isinstance(tl.layers[0].block, B.Full)
-  tl = find_layers(loss, P, X, blocks={"dense": {"weight_sharing": "reduce"}})
-  assert tl.layers[0].block.weight_sharing == "reduce"
-  tl = find_layers(loss, P, X, exclude=("b",))
-  assert tl.excluded == ("b",)
-  assert [(l.kind, l.params) for l in tl.layers] == [("fallback", ("w",))]
-  # A Full override gets per-example gradients as its data.
-  tl = find_layers(loss, P, X, blocks={"w": "full"})
-  l, _, caps, vjp = tl.value_and_stats_inputs(P, X)
-  _, cts = vjp(jnp.ones_like(l))
-  (grads,) = tl.layer_data(caps, {k: v * 4 for k, v in cts.items()})["w"]
+  tl = find_layers(loss, P, X)
+  blocks = lambda o: [l.block for l in tl.with_blocks(o).layers]
+  assert isinstance(blocks({"w": "diagonal"})[0], B.DiagonalDense)
+  assert isinstance(blocks({"dense": "full"})[0], B.Full)
+  assert blocks({"dense": {"weight_sharing": "reduce"}})[0].weight_sharing == "reduce"
+  with pytest.raises(ValueError, match="no option 'bogus'.*weight_sharing"):
+    blocks({"dense": {"bogus": 1}})
+  with pytest.raises(ValueError, match="unknown block choice 'kfac'"):
+    blocks({"dense": "kfac"})
+  tl_ex = find_layers(loss, P, X, exclude=("b",))
+  assert tl_ex.excluded == ("b",)
+  assert [(l.kind, l.params) for l in tl_ex.layers] == [("fallback", ("w",))]
+  # A fallback only has parameter gradients: a block that needs layer
+  # inputs is refused with the reason.
+  with pytest.raises(ValueError, match="consumes activations.*gradients"):
+    tl_ex.with_blocks({"fallback": B.KroneckerDense((3, 2))})
+
+
+def test_full_override_gets_per_example_gradients():
+  c = jnp.array([0.1, 0.2, 0.3, 0.4])   # loss weights c_i (not summing to 1)
+  tl = find_layers(loss, P, X).with_blocks({"w": "full"})
+  probes = tl.zero_probes(P, X)
+  caps = tl.apply(P, X, probes)[2]
+  cts = jax.grad(lambda pr: tl.apply(P, X, pr)[0])(probes)
+  data = tl.layer_data(caps, {k: v * 4 for k, v in cts.items()}, c)["w"]
+  assert data.inputs is None and data.cotangents is None
   ref = jax.vmap(lambda x: jax.grad(loss)(P, x[None]))(X)
-  np.testing.assert_allclose(grads[0], ref["w"], rtol=1e-5)
-  # Its statistics: the mean over examples of γ_i γ_iᵀ.
-  gamma = np.concatenate([np.asarray(ref[k], np.float64).reshape(4, -1)
-                          for k in tl.layers[0].params], 1)
-  assert gamma.shape[1] == sum(np.size(P[k]) for k in tl.layers[0].params)
-  np.testing.assert_allclose(tl.layers[0].block.compute_stats(grads),
-                             gamma.T @ gamma / 4, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(data.grads[0][0], ref["w"], rtol=1e-5)
+  np.testing.assert_allclose(data.grads[1][0], ref["b"], rtol=1e-5)
+  flat = np.concatenate([ref["w"].reshape(4, -1), ref["b"]], 1)
+  np.testing.assert_allclose(tl.layers[0].block.layer_stats(data),
+                             np.einsum("n,ni,nj->ij", c, flat, flat),
+                             rtol=1e-5)
 
 
 def test_while_loop_layer_is_reported():
@@ -102,3 +113,47 @@ def test_while_loop_layer_is_reported():
     return jnp.mean(lax.stop_gradient(y))
   (row,) = describe(f, p, X)
   assert row.kind == "fallback" and "while_loop" in row.notes
+
+
+def test_full_override_of_a_scan_stacked_layer():
+  # One Full block per slice of the stack: Σ_i c_i γ_il γ_ilᵀ for slice l.
+  import _tagging_models as M
+  import kfac_jax_lite as kfl
+  loss_fn, params, batch = M.jax_scan()
+  fn = kfl.value_grad_and_stats(loss_fn, params, batch, estimation="empirical",
+                                blocks={"stack/*": "full"})
+  layer = fn.tagged.layer("stack/w")
+  assert isinstance(layer.block, B.Stacked) and layer.block.n == 3
+  assert isinstance(layer.block.block, B.Full)
+  stats = jax.jit(fn)(params, batch, jax.random.PRNGKey(0)).stats["stack/w"]
+  per_ex = jax.vmap(lambda ex: jax.grad(loss_fn)(
+      params, jax.tree.map(lambda x: x[None], ex)))(batch)["stack"]
+  u = np.concatenate([per_ex["w"].reshape(3, 3, -1), per_ex["b"]], -1)
+  np.testing.assert_allclose(stats, np.einsum("nlp,nlq->lpq", u, u) / 3,
+                             rtol=1e-4, atol=1e-7)
+
+
+def test_kfac_hands_each_block_its_state_for_its_statistics():
+  # A block whose statistics depend on its state (EKFAC's eigenbasis) gets
+  # the current state in layer_stats.
+  import dataclasses
+  from typing import Any
+  import kfac_jax_lite as kfl
+  seen = []
+
+  @dataclasses.dataclass(frozen=True)
+  class Stateful:
+    inner: Any
+
+    def __getattr__(self, attr):
+      return getattr(self.inner, attr)
+
+    def layer_stats(self, data, state=None):
+      seen.append(jax.tree.structure(state))
+      return self.inner.layer_stats(data, state)
+
+  tx = kfl.kfac(loss, X, estimation="empirical", damping=0.1,
+                blocks={"dense": lambda layer: Stateful(layer.block)})
+  state = tx.init(P)
+  tx.update(jax.grad(loss)(P, X), state, P, batch=X)
+  assert seen == [jax.tree.structure(B.KroneckerDense((3, 2), has_bias=True).init())]

@@ -51,7 +51,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kfac_jax_lite import blocks
 from kfac_jax_lite import tagging
 
 ESTIMATIONS = ("fisher", "empirical", "curvature_prop", "exact",
@@ -132,8 +131,7 @@ def _output_cotangents(tagged, caps, c_elems, c_i, mode, key, num_samples,
   per_loss, counts = [], []
   keys = jax.random.split(key, len(tagged.losses))
   for tag, c_elem, k in zip(tagged.losses, c_elems, keys):
-    outs = caps[tag.uid][:tag.num_outputs]
-    targets = caps[tag.uid][tag.num_outputs:]
+    outs, targets = tag.split(caps)
     u, count = _directions(tag, outs, targets, tuple(c_elem.shape), mode, k,
                            num_samples)
     w = jnp.maximum(c_elem, 0)
@@ -171,44 +169,44 @@ def _output_cotangents(tagged, caps, c_elems, c_i, mode, key, num_samples,
   return joined, total
 
 
-def _block_stats(data, c_i, samples, layer):
-  """One block's statistics; stacked layers (``scan``) map over the stack."""
-  block = layer.block
-  weights = c_i
-  if isinstance(block, (blocks.Full, blocks.NaiveDiagonal)):
-    weights = jnp.tile(c_i, samples) / samples  # Data is [S·N, ...].
-  fn = lambda *d: block.compute_stats(*d, weights=weights)
-  return (jax.vmap(fn) if layer.stack else fn)(*data)
+def _state_of(states, layer):
+  return None if states is None else states[layer.name]
 
 
-def _fallback_stats(tagged, param_grads):
-  """Naive blocks of fallback layers from ``[S, ...]`` parameter gradients."""
-  leaves = dict(zip(tagged.paths, jax.tree.leaves(param_grads)))
-  stats = {}
-  for layer in tagged.layers:
-    if layer.kind == "fallback":
-      grads = tuple(leaves[p].reshape((leaves[p].shape[0],) + tuple(s))
-                    for p, s in zip(layer.params, layer.block.param_shapes))
-      stats[layer.name] = layer.block.compute_stats(grads)
-  return stats
+def _layer_stats(tagged, caps, cots, c_i, states):
+  """Every detected layer's statistics from its captured data."""
+  data = tagged.layer_data(caps, cots, c_i)
+  return {l.name: l.block.layer_stats(data[l.name], _state_of(states, l))
+          for l in tagged.detected}
+
+
+def _fallback_stats(tagged, param_grads, states):
+  """Fallback layers' statistics from ``[S, ...]`` parameter gradients."""
+  data = tagged.fallback_data(param_grads)
+  return {l.name: l.block.layer_stats(data[l.name], _state_of(states, l))
+          for l in tagged.fallbacks}
 
 
 def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
-             estimation="fisher", num_samples=1) -> Estimate:
-  """One forward pass: loss, gradient and statistics; see the module doc."""
+             estimation="fisher", num_samples=1, states=None) -> Estimate:
+  """One forward pass: loss, gradient and statistics; see the module doc.
+
+  ``tagged``: the layers with their blocks (``TaggedLoss.with_blocks``);
+  ``states``: ``{layer name: block state}``, given to the blocks whose
+  statistics depend on their state (None: no such blocks)."""
   check_estimation(estimation, num_samples)
   probes = tagged.zero_probes(params, batch)
 
   def f(p, pr):
     loss, aux, caps = tagged.apply(p, batch, pr)
-    outs = tuple(caps[t.uid][:t.num_outputs] for t in tagged.losses)
+    outs = tuple(t.split(caps)[0] for t in tagged.losses)
     return (loss, outs), (aux, caps)
 
   (loss, outs), vjp_fn, (aux, caps) = jax.vjp(f, params, probes, has_aux=True)
   zero_outs = jax.tree.map(jnp.zeros_like, outs)
   grads, probe_ct = vjp_fn((jnp.ones_like(loss), zero_outs))
   layer_uids = [u for u in probes if u >= 0]
-  has_fallbacks = any(l.kind == "fallback" for l in tagged.layers)
+  has_fallbacks = bool(tagged.fallbacks)
 
   if not tagged.losses:
     if estimation != "empirical":
@@ -221,10 +219,11 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
     n = _batch_size(batch)
     c_i = jnp.full((n,), 1.0 / n, _float(loss.dtype))
     cots = {u: probe_ct[u][None] * n for u in layer_uids}
-    stats = _layer_stats(tagged, caps, cots, c_i, 1)
+    stats = _layer_stats(tagged, caps, cots, c_i, states)
     if has_fallbacks:
       stats.update(_fallback_stats(
-          tagged, jax.tree.map(lambda g: g[None] * math.sqrt(n), grads)))
+          tagged, jax.tree.map(lambda g: g[None] * math.sqrt(n), grads),
+          states))
     return Estimate(loss, aux, grads, stats, c_i)
 
   c_elems = [probe_ct[t.uid].astype(_float(probe_ct[t.uid].dtype))
@@ -234,29 +233,48 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
     raise ValueError("the batch is empty: its registered loss has no examples")
   c_i = sum(_per_example(c, n) for c in c_elems)
   k_layers, k_fallback = jax.random.split(key)
-  d, samples = _output_cotangents(tagged, caps, c_elems, c_i, estimation,
-                                  k_layers, num_samples, True)
+  d, _ = _output_cotangents(tagged, caps, c_elems, c_i, estimation,
+                            k_layers, num_samples, True)
   zero_loss = jnp.zeros_like(loss)
   back = jax.vmap(lambda dd: vjp_fn((zero_loss, dd)))
   _, h = back(d)
   stats = _layer_stats(tagged, caps, {u: h[u] for u in layer_uids}, c_i,
-                       samples)
+                       states)
   if has_fallbacks:
     d_fb, _ = _output_cotangents(tagged, caps, c_elems, c_i, estimation,
                                  k_fallback, num_samples, False)
     fb_grads, _ = back(d_fb)
-    stats.update(_fallback_stats(tagged, fb_grads))
+    stats.update(_fallback_stats(tagged, fb_grads, states))
   return Estimate(loss, aux, grads, stats, c_i)
 
 
-def _layer_stats(tagged, caps, cots, c_i, samples):
-  data = tagged.layer_data(caps, cots)
-  return {l.name: _block_stats(data[l.name], c_i, samples, l)
-          for l in tagged.detected}
+def linearized_outputs(tagged: tagging.TaggedLoss, params, batch):
+  """The registered losses' model outputs, linear in the parameters.
+
+  Two passes of ``tagged``'s rewritten loss: a backward one from the loss
+  to the losses' per-element values (their weights ``c_e``) and a
+  linearized forward one. Returns ``(loss, weights, outputs, targets,
+  jvp_fn)``, per registered loss (tuples in ``tagged.losses`` order) its
+  element weights ``c_e``, its model outputs and its targets; ``jvp_fn(v)``
+  is ``J v``, the outputs' derivative along a params-shaped ``v``.
+  """
+  probes = tagged.zero_probes(params, batch)
+
+  def outputs(p):
+    _, _, caps = tagged.apply(p, batch, probes)
+    return tuple(t.split(caps)[0] for t in tagged.losses), caps
+
+  def loss_of_probes(pr):
+    return tagged.apply(params, batch, pr)[0]
+
+  loss, c = jax.value_and_grad(loss_of_probes)(probes)
+  outs, jvp_fn, caps = jax.linearize(outputs, params, has_aux=True)
+  return (loss, tuple(c[t.uid] for t in tagged.losses), outs,
+          tuple(t.split(caps)[1] for t in tagged.losses), jvp_fn)
 
 
 def _batch_size(batch):
-  n = tagging._tagged._batch_size(batch)
+  n = tagging.batch_size(batch)
   if n is None:
     raise ValueError("estimation='empirical' without a registered loss needs "
                      "a batch whose arrays share one leading batch size")
@@ -278,14 +296,15 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
   """``fn(params, batch, key) -> Estimate`` for ``loss_fn``.
 
   Traces ``loss_fn(params, batch)`` once here to find its layers
-  (``fn.tagged`` holds them and their blocks); ``fn`` is pure and jittable.
-  The loss and gradient equal ``jax.value_and_grad(loss_fn)``'s.
+  (``fn.tagged`` holds them and their blocks, chosen by ``blocks``,
+  ``weight_sharing`` and ``damping_mode`` as in ``kfl.kfac``); ``fn`` is
+  pure and jittable. The loss and gradient equal
+  ``jax.value_and_grad(loss_fn)``'s.
   """
   check_estimation(estimation, num_samples)
-  tagged = tagging.find_layers(loss_fn, params, batch, has_aux=has_aux,
-                               blocks=blocks, exclude=exclude,
-                               weight_sharing=weight_sharing,
-                               damping_mode=damping_mode)
+  tagged = tagging.find_layers(
+      loss_fn, params, batch, has_aux=has_aux, exclude=exclude).with_blocks(
+          blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
 
   def fn(params, batch, key):
     return estimate(tagged, params, batch, key, estimation=estimation,

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from kfac_jax_lite import estimators
 from kfac_jax_lite import transform
 
 
@@ -63,29 +64,19 @@ def _tree_dot(a, b):
 def _curvature_forms(tagged, params, batch, directions, curvature):
   """``(V_iᵀ (Jᵀ H J) V_j, L(θ))`` for the stacked ``directions`` [2, ...].
 
-  Two passes: a backward one for the loss weights ``c`` (and the loss) and
-  a linearized forward one for ``J V`` (and the targets).
+  Two passes (``estimators.linearized_outputs``): a backward one for the
+  loss weights ``c`` (and the loss) and a linearized forward one for
+  ``J V`` (and the targets).
   """
-  probes = tagged.zero_probes(params, batch)
-
-  def outputs(p):
-    _, _, caps = tagged.apply(p, batch, probes)
-    return (tuple(caps[t.uid][:t.num_outputs] for t in tagged.losses),
-            caps)
-
-  def loss_of_probes(pr):
-    return tagged.apply(params, batch, pr)[0]
-
-  loss, c = jax.value_and_grad(loss_of_probes)(probes)
-  outs, jvp_fn, caps = jax.linearize(outputs, params, has_aux=True)
+  loss, c, outs, targets, jvp_fn = estimators.linearized_outputs(
+      tagged, params, batch)
   jv = jax.vmap(jvp_fn)(directions)
   total = 0.0
   for j, t in enumerate(tagged.losses):
     dist = t.distribution
-    targets = caps[t.uid][t.num_outputs:]
-    roots = (dist.ggn_sqrt(outs[j], targets) if curvature == "ggn"
+    roots = (dist.ggn_sqrt(outs[j], targets[j]) if curvature == "ggn"
              else dist.fisher_sqrt(outs[j]))
-    c_e = jnp.maximum(c[t.uid].astype(transform.float_dtype(c[t.uid])), 0)
+    c_e = jnp.maximum(c[j].astype(transform.float_dtype(c[j])), 0)
     proj = 0.0
     for b, v in zip(roots, jv[j]):  # b [*values, *event, K], v [2, *values, *event]
       event = b.ndim - 1 - c_e.ndim
@@ -140,7 +131,6 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
   def tagged_for(params):
     tagged = transform.find_layers_cached(
         tagged_cache, loss_fn, params, example_batch, has_aux=has_aux,
-        blocks=kfac_options.get("blocks"),
         exclude=kfac_options.get("exclude", ()))
     if not tagged.losses:
       raise ValueError("kfac_optimizer needs a registered loss (e.g. "

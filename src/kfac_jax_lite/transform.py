@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from kfac_jax_lite.blocks import Stacked
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite import tagging
@@ -84,7 +85,7 @@ def stats_batch_size(batch, fraction, where="kfac"):
   leaves fewer than 2 examples (one example's statistics are a rank-one
   curvature: its damped inverse blows the update up by ``1/damping``).
   """
-  n = tagging._tagged._batch_size(batch)
+  n = tagging.batch_size(batch)
   if n is None:
     if fraction < 1.0:
       raise ValueError(f"{where}: stats_fraction < 1 needs batch arrays that "
@@ -112,7 +113,8 @@ def _slice_batch(batch, fraction):
 
 
 def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):
-  """``tagging.find_layers``, once per params structure, shapes and dtypes."""
+  """``tagging.find_layers`` (the detection, no blocks), once per params
+  structure, shapes and dtypes."""
   leaves, treedef = jax.tree.flatten(params)
   sig = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
   if sig not in cache:
@@ -120,12 +122,17 @@ def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):
   return cache[sig]
 
 
-def _stacked(layer, fn):
-  return jax.vmap(fn) if layer.stack else fn
+def _per_slice(layer, fn):
+  """``fn(block_state, block, *args)`` on each slice of a layer's state: a
+  ``Stacked`` layer (scan) maps it over the stack."""
+  if isinstance(layer.block, Stacked):
+    inner = layer.block.block
+    return jax.vmap(lambda st, *a: fn(st, inner, *a))
+  return lambda st, *a: fn(st, layer.block, *a)
 
 
 class _Layers:
-  """The detected layers of one params structure, and per-layer helpers."""
+  """The layers of one params structure with their blocks, and helpers."""
 
   def __init__(self, tagged: tagging.TaggedLoss):
     self.tagged = tagged
@@ -134,17 +141,11 @@ class _Layers:
   def init(self, params):
     """Every block's empty state, in its parameters' ``float_dtype``."""
     leaves = jax.tree.leaves(params)
-    states = {}
-    for l in self.layers:
-      s = l.block.init(float_dtype([leaves[i] for i in l.leaves]))
-      if l.stack:
-        s = jax.tree.map(lambda x: jnp.broadcast_to(x, (l.stack,) + x.shape), s)
-      states[l.name] = s
-    return states
+    return {l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))
+            for l in self.layers}
 
   def vectors(self, layer, leaves):
-    lead = (layer.stack,) if layer.stack else ()
-    return tuple(leaves[i].reshape(lead + tuple(s))
+    return tuple(leaves[i].reshape(s)
                  for i, s in zip(layer.leaves, layer.block.param_shapes))
 
 
@@ -260,12 +261,11 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
   layers: dict = {}
 
   def layers_for(params) -> _Layers:
-    tagged = find_layers_cached(
-        cache, loss_fn, params, example_batch, has_aux=has_aux, blocks=blocks,
-        exclude=exclude, weight_sharing=weight_sharing,
-        damping_mode=damping_mode)
+    tagged = find_layers_cached(cache, loss_fn, params, example_batch,
+                                has_aux=has_aux, exclude=exclude)
     if tagged not in layers:
-      layers[tagged] = _Layers(tagged)
+      layers[tagged] = _Layers(tagged.with_blocks(
+          blocks, damping_mode=damping_mode, weight_sharing=weight_sharing))
     return layers[tagged]
 
   def init_fn(params):
@@ -298,19 +298,20 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
       if stats is None:
         stats_batch_size(batch, stats_fraction, "kfac.update")
 
-    def new_stats():
+    def new_stats(states):
       if stats is not None:
         s = stats
       else:
         s = estimators.estimate(
             lay.tagged, params, _slice_batch(batch, stats_fraction), stats_key,
-            estimation=estimation, num_samples=num_samples).stats
+            estimation=estimation, num_samples=num_samples,
+            states=states).stats
       return jax.lax.pmean(s, axis_name) if axis_name else s
 
     def accumulate(states):
-      s = new_stats()
-      return {l.name: _stacked(l, lambda st, x, b=l.block: b.update(
-          st, x, cov_decay))(states[l.name], s[l.name]) for l in lay.layers}
+      s = new_stats(states)
+      return {l.name: l.block.update(states[l.name], s[l.name], cov_decay)
+              for l in lay.layers}
 
     states = jax.lax.cond(state.count % cov_every == 0, accumulate,
                           lambda st: st, state.blocks)
@@ -324,10 +325,10 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
 
     due = is_refresh_step(state.count, inverse_every) & damping_ok
     for i, l in enumerate(lay.layers):
-      fn = _stacked(l, lambda st, b=l.block: refresh_one(st, b))
+      fn = _per_slice(l, refresh_one)
       st = states[l.name]
       # Also refresh a block that is not ready yet, as soon as it can be.
-      need = due | (damping_ok & ~jnp.all(_stacked(l, is_ready)(st)))
+      need = due | (damping_ok & ~jnp.all(_per_slice(l, lambda s, b: is_ready(s))(st)))
       if axis_name is not None:  # Refreshed on one device, then shared.
         def fn(st, fn=fn, mine=_owner_mask(i, axis_name)):
           new = jax.lax.cond(mine, fn, lambda s: s, st)
@@ -337,12 +338,12 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     leaves, treedef = jax.tree.flatten(grads)
     out = list(leaves)
     for l in lay.layers:
-      def precondition(st, v, b=l.block):
+      def precondition(st, b, v):
         u = b.multiply_matpower(st, v, lam, precon_power, use_cache=True)
         ready = is_ready(st)
         return tuple(jnp.where(ready, x, y.astype(x.dtype))
                      for x, y in zip(u, v))
-      u = _stacked(l, precondition)(states[l.name], lay.vectors(l, leaves))
+      u = _per_slice(l, precondition)(states[l.name], lay.vectors(l, leaves))
       for i, x in zip(l.leaves, u):
         out[i] = x.reshape(leaves[i].shape).astype(leaves[i].dtype)
     if norm_constraint is not None:

@@ -1,18 +1,23 @@
 """Curvature blocks: one per layer kind, each a static config plus pure functions.
 
-See ``kfac_jax_lite.blocks.base`` for the interface they share.
+See ``kfac_jax_lite.blocks.base`` for the interface they share (``Block``)
+and the data their statistics consume (``LayerData``).
 """
 from kfac_jax_lite._kron import KroneckerState
-from kfac_jax_lite.blocks.base import FlatBlock, KroneckerBlock, state_bytes
+from kfac_jax_lite.blocks.base import (
+    ACTIVATIONS, GRADIENTS, Block, FlatBlock, KroneckerBlock, LayerData,
+    check_block, state_bytes)
 from kfac_jax_lite.blocks.conv import KroneckerConv
 from kfac_jax_lite.blocks.dense import KroneckerDense
 from kfac_jax_lite.blocks.diagonal import DiagonalConv, DiagonalDense
 from kfac_jax_lite.blocks.embedding import KroneckerEmbedding
 from kfac_jax_lite.blocks.full import Full, NaiveDiagonal
 from kfac_jax_lite.blocks.scale_shift import ScaleAndShift
+from kfac_jax_lite.blocks.stacked import Stacked
 
 __all__ = [
-    "DiagonalConv", "DiagonalDense", "FlatBlock", "Full", "KroneckerBlock",
-    "KroneckerConv", "KroneckerDense", "KroneckerEmbedding", "KroneckerState",
-    "NaiveDiagonal", "ScaleAndShift", "state_bytes",
+    "ACTIVATIONS", "Block", "DiagonalConv", "DiagonalDense", "FlatBlock",
+    "Full", "GRADIENTS", "KroneckerBlock", "KroneckerConv", "KroneckerDense",
+    "KroneckerEmbedding", "KroneckerState", "LayerData", "NaiveDiagonal",
+    "ScaleAndShift", "Stacked", "check_block", "state_bytes",
 ]

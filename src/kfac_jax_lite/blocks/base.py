@@ -7,12 +7,20 @@ states go through it as arrays. Parameter "vectors" ``v`` are tuples of
 arrays shaped like the block's ``param_shapes``; ``to_dense`` indexes its
 rows and columns like the concatenation of those arrays, raveled.
 
-Methods (``damping`` λ, ``exp`` p, ``F`` the block's curvature):
+The interface (``Block``; ``damping`` λ, ``exp`` p, ``F`` the block's
+curvature):
 
+* ``param_shapes`` — the shapes of the parameters the block covers;
+  ``factor_shapes`` — the shapes of its factors (for ``describe``).
+* ``consumes`` — which captured data its statistics are computed from
+  (``ACTIVATIONS`` or ``GRADIENTS``, see ``LayerData``).
+* ``layer_stats(data, state=None)`` — fresh statistics from one layer's
+  captured ``LayerData`` (and, for blocks whose statistics depend on it,
+  such as an eigenvalue-corrected block, the current state). It calls
+  ``compute_stats``, the block's kind-specific function of plain arrays
+  (documented on each block). The statistics are a pytree shaped like the
+  factors, so they can be ``pmean``-ed across devices before ``update``.
 * ``init(dtype)`` — a state with no statistics.
-* ``compute_stats(...)`` — fresh statistics from one batch (kind-specific
-  arguments, documented on each block); a pytree shaped like the factors,
-  so it can be ``pmean``-ed across devices before ``update``.
 * ``update(state, stats, decay, weight=1.0)`` — zero-debiased EMA; if any
   statistic is non-finite no factor changes (their ``num_skipped`` count it).
 * ``refresh(state, damping, exp=-1.0, step=0)`` — cache decompositions.
@@ -24,10 +32,15 @@ Methods (``damping`` λ, ``exp`` p, ``F`` the block's curvature):
   ``multiply_cholesky_inverse(...)`` — ``L v``, ``Lᵀ v``, ``L⁻¹ v``,
   ``L⁻ᵀ v`` for a square-root factor ``L Lᵀ`` of the damped block.
 * ``to_dense(state)`` — ``F`` as an explicit matrix.
+
+``Stacked(block, n)`` (``blocks.stacked``) is the same interface for ``n``
+independent copies of a block (a layer stacked along ``lax.scan``).
 """
 from __future__ import annotations
 
+import abc
 import math
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +48,31 @@ import jax.numpy as jnp
 from kfac_jax_lite import _kron
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
+
+ACTIVATIONS = "activations"
+GRADIENTS = "gradients"
+
+
+class LayerData(NamedTuple):
+  """What was captured for one layer, in the form its block consumes.
+
+  ``weights``: the examples' loss coefficients ``c_i`` ``[N]`` (None: 1/N).
+  A block that consumes ``ACTIVATIONS`` reads ``inputs`` (the layer's input
+  in its kind's layout: ``[N, *shared, *in_dims]`` for a dense layer, the
+  input in its own layout for a convolution, integer ids ``[N, *shared]``
+  for an embedding, ``x [N, *y]`` for a scale/shift) and ``cotangents``
+  ``[S, ...]`` (``∂ℓ_i/∂y`` of the layer output for S sampled targets).
+  A block that consumes ``GRADIENTS`` reads ``grads``: per parameter,
+  ``[S, N, *param_shape]`` gradients of each example's ``ℓ_i`` (for a
+  fallback, one "example" of weight 1 whose S gradients are those of the
+  whole loss). Fields a block does not consume may be None. For a
+  ``Stacked`` block every field but ``weights`` has a leading stack axis.
+  """
+
+  inputs: Any = None
+  cotangents: Any = None
+  weights: Any = None
+  grads: Any = None
 
 
 def state_bytes(block) -> int:
@@ -69,7 +107,49 @@ def split_samples(cotangents, expected_ndim, where):
                    f"have {expected_ndim} axes (or one more for samples)")
 
 
-class KroneckerBlock:
+def check_block(block, where):
+  """ValueError unless ``block`` implements the ``Block`` interface."""
+  missing = [name for name in Block.INTERFACE if not hasattr(block, name)]
+  if missing:
+    raise ValueError(f"{where}: {block!r} is not a curvature block (it has "
+                     f"no {', '.join(missing)}; see kfac_jax_lite.blocks.Block)")
+  if block.consumes not in (ACTIVATIONS, GRADIENTS):
+    raise ValueError(f"{where}: {block!r} consumes {block.consumes!r}; "
+                     f"expected {ACTIVATIONS!r} or {GRADIENTS!r}")
+
+
+class Block(abc.ABC):
+  """The interface of a curvature block; see the module docstring."""
+
+  INTERFACE: ClassVar[tuple] = (
+      "param_shapes", "factor_shapes", "consumes", "layer_stats", "init",
+      "update", "refresh", "multiply", "multiply_matpower",
+      "multiply_inverse", "multiply_cholesky", "multiply_cholesky_inverse",
+      "to_dense")
+  consumes: ClassVar[str] = ACTIVATIONS
+
+  @abc.abstractmethod
+  def compute_stats(self, *args, weights=None):
+    """Fresh statistics from plain arrays (see each block)."""
+
+  def layer_stats(self, data: LayerData, state=None):
+    """Statistics from a layer's captured data: by default
+    ``compute_stats(data.inputs, data.cotangents, weights=data.weights)``.
+    ``state`` is the block's current state; blocks whose statistics do not
+    depend on it ignore it."""
+    del state
+    return self.compute_stats(data.inputs, data.cotangents,
+                              weights=data.weights)
+
+  @abc.abstractmethod
+  def init(self, dtype=jnp.float32):
+    """A state with no statistics."""
+
+  def state_bytes(self):
+    return state_bytes(self)
+
+
+class KroneckerBlock(Block):
   """``F = c · blockdiag_g(A_g ⊗ G_g)`` over the layout's ``[g, a, b]`` view.
 
   Subclasses provide ``layout``, ``damping_mode``, ``renorm_coeff`` and
@@ -143,9 +223,6 @@ class KroneckerBlock:
     idx = self.layout.to_mat(_layout.param_index(self.param_shapes)).ravel()
     return jnp.zeros_like(canon).at[idx[:, None], idx[None, :]].set(canon)
 
-  def state_bytes(self):
-    return state_bytes(self)
-
   def check_damping_mode(self):
     _kron.check_damping_mode(self.damping_mode, type(self).__name__)
     if not self.renorm_coeff > 0:
@@ -153,7 +230,7 @@ class KroneckerBlock:
                        f"got {self.renorm_coeff}")
 
 
-class FlatBlock:
+class FlatBlock(Block):
   """A block over the flat parameter vector: a diagonal or a full matrix.
 
   Subclasses provide ``param_shapes``, ``diagonal`` and ``compute_stats``
@@ -190,8 +267,8 @@ class FlatBlock:
 
   def multiply_matpower(self, state, v, damping, exp, use_cache=False):
     if use_cache:  # The cache holds the damped power chosen at refresh.
-      return self._apply(v, lambda x: fac._apply(
-          state.matpower, x, self.diagonal))
+      return self._apply(v, lambda x: state.matpower * x if self.diagonal
+                         else state.matpower @ x)
     return self._apply(v, lambda x: fac.multiply_matpower(state, x, damping, exp))
 
   def multiply_inverse(self, state, v, damping, use_cache=False):
@@ -219,6 +296,3 @@ class FlatBlock:
   def to_dense(self, state):
     value = fac.factor_value(state)
     return jnp.diag(value) if self.diagonal else value
-
-  def state_bytes(self):
-    return state_bytes(self)

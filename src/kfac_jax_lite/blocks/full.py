@@ -10,6 +10,11 @@ For fallbacks and small parameter groups: the block is an explicit matrix
 * one batch gradient of the mean loss over N examples with ``α = N`` — TF
   K-FAC's naive estimators ("squared batch gradient"): in expectation over
   sampled targets ``N·E[γγᵀ] = F`` of the mean loss.
+
+Both consume ``GRADIENTS``: from a layer's ``LayerData`` with ``grads``
+``[S, N, *shape]`` and weights ``c_i`` the statistics are
+``Σ_i c_i (1/S) Σ_s γ_si γ_siᵀ`` (the K = S·N gradients with
+``α_si = c_i / S``).
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from kfac_jax_lite.blocks import base
 
 
 class _GradientBlock(base.FlatBlock):
+
+  consumes = base.GRADIENTS
 
   def __post_init__(self):
     object.__setattr__(self, "param_shapes",
@@ -43,6 +50,18 @@ class _GradientBlock(base.FlatBlock):
     if self.diagonal:
       return jnp.einsum("ki,ki->i", ua, u)
     return jnp.einsum("ki,kj->ij", ua, u)
+
+  def layer_stats(self, data, state=None):
+    """``compute_stats`` of the ``S·N`` gradients ``data.grads``
+    (``[S, N, *shape]`` each) with weights ``α_si = c_i / S``."""
+    del state
+    grads = tuple(jnp.asarray(x) for x in data.grads)
+    s, n = grads[0].shape[:2]
+    c = (jnp.full((n,), 1.0 / n, base.stats_dtype(*grads))
+         if data.weights is None else jnp.asarray(data.weights))
+    return self.compute_stats(
+        tuple(x.reshape((s * n,) + x.shape[2:]) for x in grads),
+        weights=jnp.tile(c, s) / s)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,8 +28,13 @@ Algorithm
    Any other use of a leaf (an unmatched primitive, a reshape that merges
    axes, a scan carry, ...) is recorded with its reason.
 3. Uses are grouped by the leaves they share (``_layers``). One group is one
-   block; incompatible groups get a fallback block (``NaiveDiagonal`` by
-   default) whose reason ``describe`` shows. Nothing is dropped.
+   layer of the kind that takes its uses: each kind is one record,
+   ``_kinds/<kind>.py`` (its grouping, default block, data layout and
+   per-example gradient); incompatible groups become a fallback layer
+   whose reason ``describe`` shows. Nothing is dropped. Detection stops
+   here: ``make_blocks`` (``_blocks``) then chooses each layer's curvature
+   block (``blocks=`` overrides, ``damping_mode``, ``weight_sharing``),
+   without re-tracing.
 4. The rewritten loss (``_interpret``) replays the jaxpr: at each layer
    use it records the input and adds a zero *probe* to the output. One
    ``jax.vjp`` of ``apply(params, batch, probes)`` then gives the parameter
@@ -52,7 +57,10 @@ therefore one ``KroneckerDense`` over the table ``[vocab, dim]`` with
 output cotangents of the ``x @ Eᵀ`` uses. With a samples axis on the
 cotangents and a transposed use, the samples are folded into the shared
 axis (inputs repeated, cotangents scaled by ``1/sqrt(S)``), which keeps
-``"expand"`` exact; ``"reduce"`` is then an approximation.
+``"expand"`` exact; ``"reduce"`` is then an approximation. (Per-example
+gradients, for ``Full``/``NaiveDiagonal`` overrides, sum each use's own
+and keep the samples apart.) All of this is the dense kind's
+(``_kinds/dense.py``).
 
 Unsupported (fallback with the reason)
 --------------------------------------
@@ -71,9 +79,12 @@ Unsupported (fallback with the reason)
 A custom_jvp/custom_vjp function that contains a layer is replaced by
 autodiff of its primal implementation in the rewritten loss.
 """
+from kfac_jax_lite.tagging._blocks import make_blocks
 from kfac_jax_lite.tagging._describe import Row, Table, describe
 from kfac_jax_lite.tagging._layers import Layer
-from kfac_jax_lite.tagging._tagged import TaggedLoss, find_layers, path_name
+from kfac_jax_lite.tagging._tagged import (
+    LossTag, TaggedLoss, batch_size, find_layers, find_loss_tags, path_name)
 
-__all__ = ["Layer", "Row", "Table", "TaggedLoss", "describe", "find_layers",
+__all__ = ["Layer", "LossTag", "Row", "Table", "TaggedLoss", "batch_size",
+           "describe", "find_layers", "find_loss_tags", "make_blocks",
            "path_name"]

@@ -1,6 +1,6 @@
 """The graph walk: find every use of a parameter leaf in a traced jaxpr.
 
-``analyse(closed_jaxpr, leaf_shapes)`` walks the jaxpr (descending into
+``analyse(jaxpr, leaf_shapes)`` walks the jaxpr (descending into
 nested jaxprs) and returns the layer *uses* it recognised and the *opaque*
 uses (a parameter consumed by anything that is not a layer pattern). A use
 knows where to capture its input and where to add its output probe, as a key
@@ -29,7 +29,7 @@ CALL_PRIMS = {  # primitive name -> param holding the (closed) jaxpr
 class Use:
   """One application of a layer pattern to parameter leaves."""
   uid: int
-  kind: str                 # dense | conv | embedding | scale_shift
+  kind: str                 # dense | conv | embedding | scale_and_shift
   roles: dict               # role name -> View (kernel, bias, table, scale, shift)
   capture_key: tuple | None  # equation key where the input is read
   capture: tuple | None     # ("var", v) | ("mul", a, b): how to read it
@@ -41,6 +41,7 @@ class Use:
   levels: tuple             # enclosing scans: ((level_key, length), ...)
   config: dict
   where: str
+  examples: int | None      # size of the example axis (None: not found)
   in_while: bool = False
 
 
@@ -50,15 +51,11 @@ class Opaque:
   reason: str
 
 
-def _aval(v):
-  return v.aval
-
-
 def _is_var(v):
   return not hasattr(v, "val")  # Literals carry .val
 
 
-def _inner(eqn):
+def inner_jaxpr(eqn):
   """``(jaxpr, consts)`` of a call-like equation, or None."""
   name = CALL_PRIMS.get(eqn.primitive.name)
   if name is None or name not in eqn.params:
@@ -71,8 +68,7 @@ def _inner(eqn):
 
 class Analysis:
 
-  def __init__(self, leaf_shapes):
-    self.leaf_shapes = leaf_shapes
+  def __init__(self):
     self.uses: list[Use] = []
     self.opaque: list[Opaque] = []
 
@@ -116,8 +112,8 @@ class Analysis:
           self._opaque(views[0], f"reshaped by `{name}` before use", where)
         else:
           env[eqn.outvars[0]] = new
-      elif _inner(eqn) is not None:
-        inner, _ = _inner(eqn)
+      elif inner_jaxpr(eqn) is not None:
+        inner, _ = inner_jaxpr(eqn)
         if len(inner.invars) != len(eqn.invars):
           for v in views:
             if v is not None:
@@ -231,7 +227,7 @@ class Analysis:
       if len(other) != 1 or not _is_var(other[0]):
         continue
       bview = ctx["env"].get(other[0])
-      if bview is None or bview.stacked != self._stack_of(ctx, bview):
+      if bview is None:
         continue
       shape = tuple(eqn.outvars[0].aval.shape)
       if shape != tuple(v.aval.shape):
@@ -249,20 +245,21 @@ class Analysis:
       return j, bview, labs
     return None
 
-  @staticmethod
-  def _stack_of(ctx, view):
-    return view.stacked
-
   def _record(self, kind, roles, ctx, cap_i, capture, cap_aval, probe_i,
-              probe_aval, in_labels, out_labels, config):
+              probe_aval, in_labels, out_labels, config, examples=None):
+    """A new use; ``examples`` defaults to the size of the output axis
+    labelled ``("b", 0)`` (the first non-parameter axis)."""
     where = ctx["where"] or "top level"
+    if examples is None:
+      examples = next((n for l, n in zip(out_labels, probe_aval.shape)
+                       if l == ("b", 0)), None)
     return self._new_use(
         kind=kind, roles=roles, capture_key=None if cap_i is None
         else ctx["prefix"] + (cap_i,), capture=capture, capture_aval=cap_aval,
         probe_key=ctx["prefix"] + (probe_i,), probe_aval=probe_aval,
         in_labels=tuple(in_labels), out_labels=tuple(out_labels),
         levels=ctx["levels"], config=config, where=where,
-        in_while=ctx["in_while"])
+        examples=examples, in_while=ctx["in_while"])
 
   def _dense(self, i, eqn, views, ctx):
     if views[0] is not None and views[1] is not None:
@@ -351,7 +348,8 @@ class Analysis:
         feature_group_count=p["feature_group_count"],
         precision=p.get("precision"))
     self._record("conv", roles, ctx, i, ("var", lhs), lhs.aval, probe_i,
-                 probe_aval, in_labels, labels, config)
+                 probe_aval, in_labels, labels, config,
+                 examples=lhs.aval.shape[dn.lhs_spec[0]])
     return None
 
   def _gather(self, i, eqn, views, ctx):
@@ -442,7 +440,7 @@ class Analysis:
         ctx["claimed"].add(j)
         probe_i, probe_aval = j, e3.outvars[0].aval
     cap_aval = out.aval
-    self._record("scale_shift", roles, ctx, cap_i, capture + (shape,),
+    self._record("scale_and_shift", roles, ctx, cap_i, capture + (shape,),
                  cap_aval, probe_i, probe_aval, labels, labels, {})
     return None
 
@@ -456,17 +454,17 @@ class Analysis:
     if not hv.covers(shape):
       return "added after a reduction or broadcast of its axes"
     labels, _ = self._broadcast_labels(hv, shape)
-    self._record("scale_shift", {"shift": hv}, ctx, None, None, None, i,
+    self._record("scale_and_shift", {"shift": hv}, ctx, None, None, None, i,
                  out.aval, labels, labels, {})
     return None
 
 
-def analyse(jaxpr, n_leaves, leaf_shapes, leaf_invars):
-  """Walk ``jaxpr`` (a core.Jaxpr) whose invars ``leaf_invars[k]`` is leaf k."""
-  an = Analysis(leaf_shapes)
+def analyse(jaxpr, leaf_shapes):
+  """``(uses, opaque)`` of ``jaxpr`` (a core.Jaxpr) whose first invars are
+  the parameter leaves, of shapes ``leaf_shapes``."""
+  an = Analysis()
   in_views = [None] * len(jaxpr.invars)
-  for k, pos in enumerate(leaf_invars):
-    in_views[pos] = View(k, tuple(range(len(leaf_shapes[k]))),
-                         tuple(leaf_shapes[k]))
+  for k, shape in enumerate(leaf_shapes):
+    in_views[k] = View(k, tuple(range(len(shape))), tuple(shape))
   an.walk(jaxpr, in_views)
   return an.uses, an.opaque

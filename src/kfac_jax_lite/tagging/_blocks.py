@@ -1,33 +1,38 @@
-"""Choosing and constructing the curvature block of a detected layer.
+"""``make_blocks``: the curvature block of every detected layer.
 
-Overrides (``blocks=`` of ``find_layers``) map a parameter path (an exact
+Detection (``find_layers``) finds layers; this chooses their curvature, so
+the damping and sharing policy never reaches the graph walk and changing it
+does not re-trace. Overrides (``blocks=``) map a parameter path (an exact
 path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
 (``"dense"``, ``"conv"``, ``"embedding"``, ``"scale_and_shift"``,
 ``"fallback"``) to one of:
 
 * ``"kronecker"`` (the default for dense/conv/embedding), ``"diagonal"``,
-  ``"full"``, ``"naive_diagonal"``;
+  ``"full"``, ``"naive_diagonal"`` (what each means per kind: the kind's
+  ``block_for``);
 * a ``dict`` of keyword arguments for the default block (e.g.
   ``{"weight_sharing": "reduce"}``);
 * a block instance (used as is; its ``param_shapes`` must match);
-* a callable ``f(layer_info) -> block`` (``layer_info``: the ``Layer``
-  record with the default block filled in).
+* a callable ``f(layer) -> block`` (``layer``: the ``Layer`` record with the
+  default block filled in).
 
-Paths take precedence over kinds; the first matching path pattern wins.
+Paths take precedence over kinds; the first matching path pattern wins. A
+layer stacked along ``lax.scan`` gets ``Stacked(block, L)`` of the chosen
+(one-slice) block.
 """
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 
 from kfac_jax_lite import blocks as B
+from kfac_jax_lite.tagging._kinds import KINDS
 
-KINDS = ("dense", "conv", "embedding", "scale_and_shift", "fallback")
 CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal")
 
 
 def find_override(overrides, paths, kind):
+  """The override for a layer with parameter ``paths`` and ``kind``."""
   if not overrides:
     return None
   for pattern, choice in overrides.items():
@@ -38,90 +43,45 @@ def find_override(overrides, paths, kind):
   return overrides.get(kind)
 
 
-def default_block(spec, options):
-  """The block for a layer spec (dict with ``kind`` and its config)."""
-  kind = spec["kind"]
-  ws = options.get("weight_sharing", "expand")
-  dm = options.get("damping_mode", "pi")
-  if kind == "dense":
-    return B.KroneckerDense(spec["kernel_shape"], spec["in_axes"],
-                            has_bias=spec["has_bias"], damping_mode=dm,
-                            weight_sharing=ws)
-  if kind == "embedding":
-    return B.KroneckerEmbedding(spec["vocab_size"], spec["dim"],
-                                damping_mode=dm, weight_sharing=ws)
-  if kind == "conv":
-    c = spec["conv"]
-    return B.KroneckerConv(
-        c["kernel_shape"], window_strides=c["window_strides"],
-        padding=c["padding"], lhs_dilation=c["lhs_dilation"],
-        rhs_dilation=c["rhs_dilation"],
-        dimension_numbers=c["dimension_numbers"],
-        feature_group_count=c["feature_group_count"],
-        has_bias=spec["has_bias"], damping_mode=dm)
-  if kind == "scale_and_shift":
-    return B.ScaleAndShift(spec["param_shape"], has_scale=spec["has_scale"],
-                           has_shift=spec["has_shift"])
-  return B.NaiveDiagonal(tuple(spec["param_shapes"]))
+def make_blocks(layers, overrides=None, *, damping_mode="pi",
+                weight_sharing="expand"):
+  """The curvature block of each of ``layers`` (a tuple in their order).
+
+  ``overrides``: the ``blocks=`` mapping (see the module docstring);
+  ``damping_mode`` (``"pi"`` or ``"exact"``) and ``weight_sharing``
+  (``"expand"`` or ``"reduce"``) configure the default Kronecker blocks.
+  """
+  return tuple(_block(l, find_override(overrides, l.params, l.kind),
+                      damping_mode, weight_sharing) for l in layers)
 
 
-def _param_shapes(spec, block):
-  return tuple(block.param_shapes)
-
-
-def choose(spec, override, options, info_fn):
-  """The block for ``spec`` under ``override`` (see the module docstring)."""
-  block = default_block(spec, options)
-  if override is None or override == "kronecker":
-    return block
-  kind = spec["kind"]
-  shapes = _param_shapes(spec, block)
-  if isinstance(override, dict):
-    if kind == "fallback":
-      raise ValueError("fallback blocks take no keyword options")
-    return dataclasses.replace(block, **override)
-  if isinstance(override, str):
+def _block(layer, override, damping_mode, weight_sharing):
+  spec = layer.spec
+  default = spec.default_block(damping_mode=damping_mode,
+                               weight_sharing=weight_sharing)
+  where = f"blocks= override for {layer.name!r}"
+  if override is None:
+    block = default
+  elif isinstance(override, dict):
+    block = spec.with_options(default, override)
+  elif isinstance(override, str):
     if override not in CHOICES:
       raise ValueError(f"unknown block choice {override!r}; expected one of "
                        f"{CHOICES}, a dict of options, a block or a callable")
-    if override == "full":
-      if kind == "scale_and_shift":
-        return dataclasses.replace(block, full=True)
-      return B.Full(shapes)
-    if override == "naive_diagonal":
-      return B.NaiveDiagonal(shapes)
-    if override == "diagonal":
-      if kind == "dense":
-        return B.DiagonalDense(block.kernel_shape, block.in_axes,
-                               has_bias=block.has_bias)
-      if kind == "conv":
-        kw = {f.name: getattr(block, f.name) for f in dataclasses.fields(
-            B.DiagonalConv) if hasattr(block, f.name)}
-        return B.DiagonalConv(**kw)
-      if kind == "scale_and_shift":
-        return block
-      return B.NaiveDiagonal(shapes)
-  if callable(override) and not hasattr(override, "param_shapes"):
-    block = override(info_fn(block))
+    block = spec.block_for(override, default)
   else:
-    block = override
-  if tuple(map(tuple, block.param_shapes)) != tuple(map(tuple, shapes)):
-    raise ValueError(f"override block {block!r} has parameter shapes "
-                     f"{block.param_shapes}, the layer needs {shapes}")
-  return block
-
-
-def state_bytes(block, stack=None):
-  n = B.state_bytes(block)
-  return n * (stack or 1)
-
-
-def factor_shapes(block):
-  shapes = getattr(block, "factor_shapes", None)
-  if shapes is None:
-    return ()
-  return tuple(tuple(s) for s in shapes)
-
-
-def size(shapes):
-  return sum(math.prod(s) for s in shapes)
+    if callable(override) and not hasattr(override, "param_shapes"):
+      block = override(dataclasses.replace(layer, block=default))
+    else:
+      block = override
+    B.check_block(block, where)
+    shapes = tuple(map(tuple, spec.param_shapes))
+    if tuple(map(tuple, block.param_shapes)) != shapes:
+      raise ValueError(f"override block {block!r} has parameter shapes "
+                       f"{block.param_shapes}, the layer needs {shapes}")
+  if layer.is_fallback and block.consumes != B.GRADIENTS:
+    raise ValueError(f"{where}: {block!r} consumes {block.consumes}, but a "
+                     f"fallback ({layer.reason}) only has parameter "
+                     f"gradients; use a block that consumes {B.GRADIENTS!r} "
+                     "(Full, NaiveDiagonal)")
+  return B.Stacked(block, layer.stack) if layer.stack else block

@@ -1,7 +1,7 @@
 """``describe``: the blocks of a model as a list of rows that prints as a table."""
 from __future__ import annotations
 
-from kfac_jax_lite.tagging import _blocks
+from kfac_jax_lite import blocks as B
 
 
 class Row(dict):
@@ -42,20 +42,28 @@ class Table(list):
 
 
 def rows(tagged):
+  """The rows of a ``TaggedLoss`` whose layers have their blocks."""
   table = Table()
   for l in tagged.layers:
+    block = l.block.block if isinstance(l.block, B.Stacked) else l.block
     table.append(Row(
-        name=l.name, kind=l.kind, block=type(l.block).__name__,
-        params=tuple(l.params), factors=_blocks.factor_shapes(l.block),
-        bytes=_blocks.state_bytes(l.block, l.stack), uses=l.uses,
-        stack=l.stack, notes=l.reason or l.notes))
+        name=l.name, kind=l.kind, block=type(block).__name__,
+        params=tuple(l.params),
+        factors=tuple(tuple(s) for s in block.factor_shapes),
+        bytes=B.state_bytes(l.block), uses=l.uses, stack=l.stack,
+        notes=l.notes))
   return table
 
 
-def describe(loss_fn, params, batch, **kwargs):
-  """The curvature blocks ``find_layers`` builds for ``loss_fn``, as rows.
+def describe(loss_fn, params, batch, *, has_aux=False, exclude=(),
+             blocks=None, damping_mode="pi", weight_sharing="expand"):
+  """The curvature blocks of ``loss_fn``'s layers, as rows.
 
-  Keyword arguments are those of ``find_layers`` (``has_aux``, ``blocks``,
-  ``exclude``, ...). Prints as a table; fallbacks carry their reason."""
+  ``has_aux``/``exclude`` are those of ``find_layers``; ``blocks``,
+  ``damping_mode`` and ``weight_sharing`` those of ``make_blocks`` (and of
+  ``kfl.kfac``). Prints as a table; fallbacks carry their reason."""
   from kfac_jax_lite.tagging._tagged import find_layers
-  return rows(find_layers(loss_fn, params, batch, **kwargs))
+  tagged = find_layers(loss_fn, params, batch, has_aux=has_aux,
+                       exclude=exclude)
+  return rows(tagged.with_blocks(blocks, damping_mode=damping_mode,
+                                 weight_sharing=weight_sharing))

@@ -11,8 +11,6 @@ a weight-sharing axis).
 """
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 import numpy as np
 
@@ -66,28 +64,11 @@ def arrange(arr, labels, korder=(), samples=False):
   return arr, [labels[i] for i in order]
 
 
-def flatten_shared(arr, labels, n_feature):
-  """Merge the shared axes (``t`` and non-leading ``b``) into one axis."""
-  lead = sum(1 for l in labels if l[0] in ("L", "S", "b") and (
-      l[0] != "b" or l[1] == 0))
-  shape = arr.shape
-  shared = shape[lead:len(shape) - n_feature]
-  return arr.reshape(shape[:lead] + (math.prod(shared),)
-                     + shape[len(shape) - n_feature:])
-
-
-def example_axis_size(use, n_leading_levels_ok=True):
-  """Size of the example axis of ``use`` (None when it has none)."""
-  labels = use.out_labels
-  for l, s in zip(labels, use.probe_aval.shape):
-    if l == ("b", 0):
-      return s
-    if l[0] == "c":
-      pass
-  if use.kind == "conv":
-    dn = use.config["dimension_numbers"]
-    return use.capture_aval.shape[dn.lhs_spec[0]]
-  return None
+def arranged(use, x, korder=(), samples=False, out=True):
+  """``use``'s captured input (``out=False``) or probed output ``x``, with
+  the axes its enclosing scans prepend, arranged by ``arrange``."""
+  labels = level_labels(use) + (use.out_labels if out else use.in_labels)
+  return arrange(x, labels, korder, samples)[0]
 
 
 def stacked_shape(use, aval):

@@ -107,7 +107,7 @@ def _nested(plan, eqn, invals, key, probes, caps):
   name = eqn.primitive.name
   uids = plan.uids_under(key)
   sub_probes = {u: probes[u] for u in uids}
-  inner = _analysis._inner(eqn)
+  inner = _analysis.inner_jaxpr(eqn)
   if inner is not None and name in ("remat2", "checkpoint", "remat"):
     jaxpr, consts = inner
 

@@ -1,6 +1,7 @@
 """``find_layers``: trace, detect, and the rewritten loss."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable
 
@@ -8,12 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_jax_lite import blocks as B
 from kfac_jax_lite import losses
 from kfac_jax_lite.tagging import _analysis
+from kfac_jax_lite.tagging import _blocks
 from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
 from kfac_jax_lite.tagging import _layers
-from kfac_jax_lite.tagging import _pergrad
 
 
 def path_name(path):
@@ -52,7 +54,9 @@ def _check_params(params):
   return treedef, tuple(paths), tuple(tuple(l.shape) for _, l in leaves)
 
 
-def _batch_size(batch):
+def batch_size(batch):
+  """The leading size shared by every array of ``batch`` (None if they
+  disagree or there is none)."""
   sizes = {np.shape(x)[0] for x in jax.tree.leaves(batch) if np.ndim(x) > 0}
   return sizes.pop() if len(sizes) == 1 else None
 
@@ -63,7 +67,6 @@ class _Trace:
   out_tree: Any
   uses: list
   opaque: list
-  n_leaves: int
   losses: list
 
 
@@ -82,6 +85,12 @@ class LossTag:
   values_shape: tuple
   values_dtype: Any
 
+  def split(self, captures):
+    """``(outputs, targets)``: this loss's captured model outputs and
+    targets, each a tuple (``captures`` from ``TaggedLoss.apply``)."""
+    caps = captures[self.uid]
+    return caps[:self.num_outputs], caps[self.num_outputs:]
+
 
 def find_loss_tags(jaxpr, prefix=(), where=""):
   """``[(key, eqn)]`` of every loss tag, through call-like nested jaxprs."""
@@ -94,7 +103,7 @@ def find_loss_tags(jaxpr, prefix=(), where=""):
                          "supported; compute the loss outside it")
       found.append((key, eqn))
       continue
-    inner = _analysis._inner(eqn)
+    inner = _analysis.inner_jaxpr(eqn)
     if inner is not None:
       found += find_loss_tags(inner[0], key + (0,), where)
     else:
@@ -122,35 +131,51 @@ def _signature(u):
 class TaggedLoss:
   """The layers of ``loss_fn`` and its rewritten, probe-taking version.
 
-  ``layers``: one ``Layer`` per block (fallbacks included). The rewritten
-  loss is ``apply(params, batch, probes) -> (loss, aux, captures)``;
-  ``probes = zero_probes(params, batch)``; the gradient of the loss with
-  respect to ``probes`` is, per probe, ``c_i ∂ℓ_i/∂y`` at that layer
-  output. ``layer_data`` turns captures and probe cotangents into each
-  block's ``compute_stats`` arguments. Both gradients (params and probes)
-  come from one ``jax.vjp`` of ``apply``: one forward pass.
+  ``layers``: one ``Layer`` per layer (fallbacks included), without blocks
+  (``Layer.block`` None) as ``find_layers`` returns it; ``with_blocks``
+  gives the same detection with every layer's curvature block chosen. The
+  rewritten loss is ``apply(params, batch, probes) -> (loss, aux,
+  captures)``; ``probes = zero_probes(params, batch)``; the gradient of the
+  loss with respect to ``probes`` is, per probe, ``c_i ∂ℓ_i/∂y`` at that
+  layer output. ``layer_data`` turns captures and probe cotangents into
+  each block's ``LayerData``. Both gradients (params and probes) come from
+  one ``jax.vjp`` of ``apply``: one forward pass.
   """
 
-  def __init__(self, loss_fn, params, batch, *, has_aux=False, blocks=None,
-               exclude=(), weight_sharing="expand", damping_mode="pi"):
+  def __init__(self, loss_fn, params, batch, *, has_aux=False, exclude=()):
     self.loss_fn = loss_fn
     self.has_aux = has_aux
     self.param_treedef, self.paths, self.leaf_shapes = _check_params(params)
     self.batch_treedef = jax.tree.structure(batch)
-    self._options = dict(weight_sharing=weight_sharing,
-                         damping_mode=damping_mode)
     tr = self._trace(params, batch)
     self._uses = tr.uses
     self.layers, self.excluded = _layers.build_layers(
-        tr.uses, tr.opaque, self.paths, self.leaf_shapes, _batch_size(batch),
-        blocks or {}, tuple(exclude), self._options)
+        tr.uses, tr.opaque, self.paths, self.leaf_shapes, batch_size(batch),
+        tuple(exclude))
     self.losses = tuple(tr.losses)
     self._active = sorted(u for l in self.layers for u in l.use_ids)
     self._signatures = {i: _signature(tr.uses[i]) for i in self._active}
 
+  def with_blocks(self, overrides=None, *, damping_mode="pi",
+                  weight_sharing="expand") -> "TaggedLoss":
+    """The same detection (no re-trace) with every layer's block chosen by
+    ``make_blocks(layers, overrides, damping_mode=, weight_sharing=)``."""
+    blocks = _blocks.make_blocks(self.layers, overrides,
+                                 damping_mode=damping_mode,
+                                 weight_sharing=weight_sharing)
+    new = copy.copy(self)
+    new.layers = tuple(dataclasses.replace(l, block=b)
+                       for l, b in zip(self.layers, blocks))
+    return new
+
   @property
   def detected(self):
-    return tuple(l for l in self.layers if l.kind != "fallback")
+    """The layers a pattern matched (no fallbacks)."""
+    return tuple(l for l in self.layers if not l.is_fallback)
+
+  @property
+  def fallbacks(self):
+    return tuple(l for l in self.layers if l.is_fallback)
 
   def layer(self, name):
     for l in self.layers:
@@ -182,14 +207,12 @@ class TaggedLoss:
       hint = (" (use has_aux=True for (loss, aux))"
               if isinstance(loss_shape, (tuple, list)) else "")
       raise ValueError(f"loss_fn must return a scalar loss, got {got}{hint}")
-    n = len(self.paths)
-    uses, opaque = _analysis.analyse(
-        closed.jaxpr, n, self.leaf_shapes, list(range(n)))
+    uses, opaque = _analysis.analyse(closed.jaxpr, self.leaf_shapes)
     tags = [LossTag(-1 - j, key, eqn.params["distribution"],
                     eqn.params["num_outputs"], tuple(eqn.outvars[0].aval.shape),
                     eqn.outvars[0].aval.dtype)
             for j, (key, eqn) in enumerate(find_loss_tags(closed.jaxpr))]
-    return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, n, tags)
+    return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags)
 
   def _checked_trace(self, params, batch):
     tr = self._trace(params, batch)
@@ -229,37 +252,63 @@ class TaggedLoss:
     loss, aux = out if self.has_aux else (out, None)
     return loss, aux, caps
 
-  def value_and_stats_inputs(self, params, batch):
-    """``(loss, aux, layer inputs, vjp_fn)``, one forward pass.
+  def _cotangents(self, layer, cotangents):
+    """The layer's probe cotangents with a leading samples axis, and
+    whether they had one."""
+    uses = [self._uses[i] for i in layer.use_ids]
+    u = uses[0]
+    has_samples = cotangents[u.uid].ndim == len(
+        F.stacked_shape(u, u.probe_aval)) + 1
+    cots = {v.uid: cotangents[v.uid] if has_samples else cotangents[v.uid][None]
+            for v in uses}
+    return uses, cots, has_samples
 
-    ``vjp_fn(ct_loss)`` returns ``(param_grads, probe_cotangents)``."""
-    probes = self.zero_probes(params, batch)
+  def _data(self, layer, captures, cotangents):
+    uses, cots, _ = self._cotangents(layer, cotangents)
+    return layer.spec.data(uses, captures, cots, bool(layer.stack))
 
-    def f(p, pr):
-      loss, aux, caps = self.apply(p, batch, pr)
-      return loss, (aux, caps)
-    loss, vjp_fn, (aux, caps) = jax.vjp(f, params, probes, has_aux=True)
-    return loss, aux, caps, vjp_fn
+  def _gradients(self, layer, captures, cotangents):
+    """``[L?, S, N, *shape]`` per block parameter."""
+    uses, cots, _ = self._cotangents(layer, cotangents)
+    return layer.spec.gradients(uses, captures, cots, bool(layer.stack))
 
-  def layer_data(self, captures, cotangents):
-    """``{layer name: compute_stats data}`` for every detected layer.
+  def layer_data(self, captures, cotangents, weights=None):
+    """``{layer name: LayerData}`` for every detected layer, in the form
+    its block consumes (the layers need their blocks: ``with_blocks``).
 
-    For Kronecker, diagonal and scale/shift blocks the data is
-    ``(inputs, cotangents)`` (ids for an embedding block, zero inputs for a
-    shift-only block); for a ``Full``/``NaiveDiagonal`` override of a
-    detected layer it is ``(per_example_grads,)`` with ``[N, *shape]``
-    gradients (``[S*N, ...]`` with a samples axis). Fallback layers need
-    the gradients and are left out. ``cotangents`` are ``∂ℓ_i/∂y``
-    (divide the probe cotangents by ``c_i``), optionally with a leading
-    samples axis."""
+    ``captures`` from ``apply``; ``cotangents`` the probe cotangents
+    divided by ``c_i`` (``∂ℓ_i/∂y``), optionally with a leading samples
+    axis; ``weights`` the examples' ``c_i`` (None: 1/N). A block that
+    consumes ``ACTIVATIONS`` gets the layer's inputs (ids for an
+    embedding, zeros for a shift alone) and cotangents ``[S, ...]``; one
+    that consumes ``GRADIENTS`` (a ``Full``/``NaiveDiagonal`` override)
+    gets per-example gradients ``[S, N, *shape]``. Fallback layers, which
+    need parameter gradients, are left out (``fallback_data``)."""
     out = {}
     for l in self.detected:
-      data = _layers.layer_data(l, self._uses, captures, cotangents)
-      if type(l.block).__name__ in ("Full", "NaiveDiagonal"):
-        g = _pergrad.per_example_grads(l, data)
-        data = (tuple(x.reshape((-1,) + x.shape[x.ndim - len(s):])
-                      for x, s in zip(g, l.block.param_shapes)),)
-      out[l.name] = data
+      if l.block is None:
+        raise ValueError(f"layer {l.name!r} has no block: call layer_data "
+                         "on tagged.with_blocks(...)")
+      if l.block.consumes == B.GRADIENTS:
+        out[l.name] = B.LayerData(
+            weights=weights, grads=self._gradients(l, captures, cotangents))
+      else:
+        inputs, cots = self._data(l, captures, cotangents)
+        out[l.name] = B.LayerData(inputs=inputs, cotangents=cots,
+                                  weights=weights)
+    return out
+
+  def fallback_data(self, param_grads):
+    """``{layer name: LayerData}`` of every fallback layer, from
+    ``param_grads``: the params pytree with a leading samples axis S of
+    gradients of the whole loss (one "example" of weight 1)."""
+    leaves = dict(zip(self.paths, jax.tree.leaves(param_grads)))
+    out = {}
+    for l in self.fallbacks:
+      grads = tuple(leaves[p].reshape((leaves[p].shape[0], 1) + tuple(s))
+                    for p, s in zip(l.params, l.spec.param_shapes))
+      out[l.name] = B.LayerData(
+          weights=jnp.ones((1,), grads[0].dtype), grads=grads)
     return out
 
   def per_example_grads(self, captures, cotangents):
@@ -267,19 +316,22 @@ class TaggedLoss:
     check of the detection; K-FAC itself never materialises these)."""
     out = {}
     for l in self.detected:
-      data = _layers.layer_data(l, self._uses, captures, cotangents)
-      grads = _pergrad.per_example_grads(l, data)
+      _, _, has_samples = self._cotangents(l, cotangents)
+      grads = self._gradients(l, captures, cotangents)
       for path, g, shape in zip(l.params, grads, l.leaf_shapes):
-        out[path] = g.reshape(g.shape[:g.ndim - len(
-            _pergrad.block_shapes(l)[l.params.index(path)])] + shape)
+        if l.stack:  # [L, S, N, *s] -> [S, N, L, *s]
+          g = jnp.moveaxis(g, 0, 2)
+        g = g.reshape(g.shape[:2] + shape)
+        out[path] = g if has_samples else g[0]
     return out
 
 
 def find_layers(loss_fn: Callable, params, batch, *, has_aux=False,
-                blocks=None, exclude=(), weight_sharing="expand",
-                damping_mode="pi") -> TaggedLoss:
-  """Trace ``loss_fn(params, batch)`` and find every layer; see
-  ``TaggedLoss`` and the package docstring."""
-  return TaggedLoss(loss_fn, params, batch, has_aux=has_aux, blocks=blocks,
-                    exclude=exclude, weight_sharing=weight_sharing,
-                    damping_mode=damping_mode)
+                exclude=()) -> TaggedLoss:
+  """Trace ``loss_fn(params, batch)`` and find every layer.
+
+  ``has_aux``: ``loss_fn`` returns ``(loss, aux)``; ``exclude``: parameter
+  paths (or ``fnmatch`` patterns) to leave out of the curvature. Returns
+  the detection (a ``TaggedLoss``, see the package docstring); its blocks
+  are chosen by ``with_blocks`` (``make_blocks``)."""
+  return TaggedLoss(loss_fn, params, batch, has_aux=has_aux, exclude=exclude)

@@ -1,0 +1,97 @@
+"""``Stacked(block, n)``: n independent copies of a block, one per slice.
+
+A layer stacked along ``lax.scan`` (a parameter leaf ``[n, ...]`` sliced
+once per step) is n layers that share a structure. Its curvature is block
+diagonal over the slices, ``F = blockdiag_l(F_l)``, each ``F_l`` the inner
+block's curvature of slice ``l``. ``Stacked`` implements the block
+interface by ``jax.vmap``-ing the inner block over a leading axis of n of
+its state, its statistics, its parameters and its ``LayerData`` (the
+examples' ``weights`` are shared by all slices).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_lite.blocks import _layout
+from kfac_jax_lite.blocks import base
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacked(base.Block):
+  """``n`` copies of ``block``; parameters ``[n, *shape]`` per inner shape."""
+
+  block: Any
+  n: int
+
+  def __post_init__(self):
+    if not (isinstance(self.n, int) and self.n >= 1):
+      raise ValueError(f"Stacked: n must be a positive int, got {self.n!r}")
+    base.check_block(self.block, "Stacked")
+
+  @property
+  def consumes(self):
+    return self.block.consumes
+
+  @property
+  def param_shapes(self):
+    return tuple((self.n,) + tuple(s) for s in self.block.param_shapes)
+
+  @property
+  def factor_shapes(self):
+    return tuple((self.n,) + tuple(s) for s in self.block.factor_shapes)
+
+  def init(self, dtype=jnp.float32):
+    one = self.block.init(dtype)
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (self.n,) + x.shape), one)
+
+  def compute_stats(self, *args, weights=None):
+    """The inner ``compute_stats`` per slice: every argument has a leading
+    axis of n; ``weights`` are shared."""
+    return jax.vmap(lambda *a: self.block.compute_stats(*a, weights=weights))(
+        *args)
+
+  def layer_stats(self, data, state=None):
+    weights = data.weights
+    fn = lambda d, st: self.block.layer_stats(d._replace(weights=weights), st)
+    return jax.vmap(fn)(data._replace(weights=None), state)
+
+  def update(self, state, stats, decay, weight=1.0):
+    return jax.vmap(lambda st, x: self.block.update(st, x, decay, weight))(
+        state, stats)
+
+  def refresh(self, state, damping, exp=-1.0, step=0):
+    return jax.vmap(lambda st: self.block.refresh(st, damping, exp, step))(state)
+
+  def multiply(self, state, v):
+    return jax.vmap(self.block.multiply)(state, tuple(v))
+
+  def multiply_matpower(self, state, v, damping, exp, use_cache=False):
+    return jax.vmap(lambda st, x: self.block.multiply_matpower(
+        st, x, damping, exp, use_cache))(state, tuple(v))
+
+  def multiply_inverse(self, state, v, damping, use_cache=False):
+    return jax.vmap(lambda st, x: self.block.multiply_inverse(
+        st, x, damping, use_cache))(state, tuple(v))
+
+  def multiply_cholesky(self, state, v, damping, transpose=False):
+    return jax.vmap(lambda st, x: self.block.multiply_cholesky(
+        st, x, damping, transpose))(state, tuple(v))
+
+  def multiply_cholesky_inverse(self, state, v, damping, transpose=False):
+    return jax.vmap(lambda st, x: self.block.multiply_cholesky_inverse(
+        st, x, damping, transpose))(state, tuple(v))
+
+  def to_dense(self, state):
+    """The block-diagonal matrix, indexed like the stacked parameters."""
+    per_slice = jax.vmap(self.block.to_dense)(state)  # [n, m, m]
+    index = _layout.param_index(self.param_shapes)  # [n, *shape] per param
+    idx = jnp.concatenate(
+        [i.reshape(self.n, -1) for i in index], axis=1)  # [n, m]
+    size = sum(math.prod(s) for s in self.param_shapes)
+    dense = jnp.zeros((size, size), per_slice.dtype)
+    return dense.at[idx[:, :, None], idx[:, None, :]].set(per_slice)
