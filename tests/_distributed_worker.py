@@ -104,9 +104,10 @@ def caches(kstate):
     factors = jax.tree.leaves(bstate, is_leaf=lambda x: isinstance(
         x, kfl.FactorState))
     for j, f in enumerate(factors):
-      for field in ("cov", "weight", "eigvals", "eigvecs", "matpower",
-                    "cache_step", "num_failed"):
+      for field in ("cov", "weight"):
         out[f"{name}/{j}/{field}"] = getattr(f, field)
+      for field in f.cache._fields:
+        out[f"{name}/{j}/{field}"] = getattr(f.cache, field)
   return out
 
 
@@ -276,10 +277,10 @@ def scenario_shard_map(args):
 
 
 SPLIT_CONFIGS = {
-    # Cholesky fast path: only ``matpower`` (and the bookkeeping) is cached.
+    # The damped inverse (``matpower``, and the bookkeeping) is cached.
     "pi": dict(damping_mode="pi", precon_power=-1.0),
     # eigh of both factors, then the damped matrix power p = -1/2 from it:
-    # ``eigvals``, ``eigvecs`` and ``matpower`` cached.
+    # only ``matpower`` is cached.
     "pi_sqrt": dict(damping_mode="pi", precon_power=-0.5),
 }
 
@@ -339,12 +340,12 @@ def _counting_blocks(log_axis):
     def __getattr__(self, attr):
       return getattr(self.inner, attr)
 
-    def refresh(self, state, damping, exp=-1.0, step=0):
+    def refresh(self, state, damping, exp=-1.0, step=0, **kwargs):
       dev = jax.lax.axis_index(log_axis) if log_axis else 0
       jax.debug.callback(
           lambda d, s, name=self.name: calls.append((int(d), name, int(s))),
           dev, step)
-      return self.inner.refresh(state, damping, exp, step)
+      return self.inner.refresh(state, damping, exp, step, **kwargs)
 
   return {"dense": lambda info: Counting(info.block, info.name)}, calls
 

@@ -132,9 +132,11 @@ def test_block_algebra(name, x64):
         state, block.multiply_cholesky(state, v, lam), lam), flat(v))
     close(block.multiply_cholesky_inverse(state, lt_v, lam, transpose=True),
           flat(v))
-    # The refreshed cache gives the same products as a fresh decomposition.
-    for exp in (-1.0, -0.5):
-      cached = block.refresh(state, lam, exp, step=3)
+    # The refreshed cache gives the same products as a fresh decomposition,
+    # whichever method computes the inverses.
+    for exp, method in ((-1.0, "gauss_jordan"), (-1.0, "cholesky"),
+                        (-1.0, "newton_schulz"), (-1.0, "eigh"), (-0.5, "auto")):
+      cached = block.refresh(state, lam, exp, step=3, method=method)
       close(block.multiply_matpower(cached, v, lam, exp, use_cache=True),
             sym_power(damped, exp) @ flat(v))
 
@@ -184,7 +186,8 @@ def test_non_finite_statistics_leave_block_state_unchanged(name):
   for old, new in zip(factors, after_factors):
     for field in old._fields:
       if field != "num_skipped":
-        np.testing.assert_array_equal(getattr(new, field), getattr(old, field))
+        jax.tree.map(np.testing.assert_array_equal, getattr(new, field),
+                     getattr(old, field))
     assert int(new.num_skipped) == int(old.num_skipped) + 1
 
 
@@ -234,6 +237,46 @@ def test_blocks_are_static_and_jit_friendly():
   np.testing.assert_allclose(
       flat(out), flat(block.multiply_inverse(state, v, 0.1)), rtol=1e-4,
       atol=1e-5)
-  assert int(state.a.cache_step) == 1
+  assert int(state.a.cache.step) == 1
   assert block.state_bytes() == sum(x.nbytes for x in jax.tree.leaves(state))
   assert fac.is_diagonal(state.a) is False
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_state_keeps_one_cached_matrix_per_factor(name):
+  """π damping keeps the covariance and its damped power (two n×n arrays a
+  dense factor), exact damping the covariance and its eigendecomposition."""
+  block, _ = CASES[name]()
+  state = block.init()
+  factors = (state,) if isinstance(state, kfl.FactorState) else tuple(state)
+  exact = getattr(block, "damping_mode", "pi") == "exact"
+  for f in factors:
+    kept = [x.size for x in (f.cache.eigvals, f.cache.eigvecs, f.cache.matpower)]
+    n, cov = f.cov.shape[-1], f.cov.size
+    diagonal = fac.is_diagonal(f)
+    groups = cov // (n if diagonal else n * n)
+    if exact:
+      assert kept == [groups * n, 0 if diagonal else cov, 0], name
+    else:
+      assert kept == [0, 0, cov], name
+
+
+@pytest.mark.parametrize("mode", ["pi", "exact"])
+def test_describe_total_is_the_curvature_state_bytes(mode):
+  """``describe``'s total line counts exactly the bytes ``kfac`` keeps."""
+  def loss_fn(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w0"] + params["b0"])
+    return kfl.softmax_cross_entropy_with_integer_labels(
+        h @ params["w1"], batch["y"]).mean()
+
+  params = {"w0": jnp.ones((5, 4)), "b0": jnp.zeros(4), "w1": jnp.ones((4, 3))}
+  batch = {"x": jnp.ones((6, 5)), "y": jnp.zeros(6, jnp.int32)}
+  table = kfl.describe(loss_fn, params, batch, damping_mode=mode)
+  state = kfl.kfac(loss_fn, batch, damping_mode=mode).init(params)
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state.blocks))
+  assert table.total_bytes == nbytes
+  assert str(table).splitlines()[-1].startswith(
+      f"{len(table)} blocks, {nbytes} bytes of state (")
+  # π damping: per dense factor its covariance and one cached n×n matrix.
+  n2 = (6 * 6 + 4 * 4) + (4 * 4 + 3 * 3)
+  assert nbytes - 4 * 2 * n2 == (0 if mode == "pi" else 4 * (6 + 4 + 4 + 3)) + 4 * 4 * 4

@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 import kfac_jax_lite as kfl
+from kfac_jax_lite import _inverse
 from kfac_jax_lite import factor as fac
 
 from _helpers import x64_mode
 
 SETTINGS = hypothesis.settings(max_examples=12, deadline=None)
+METHODS = ("gauss_jordan", "cholesky", "newton_schulz", "eigh")
 
 
 def random_psd(rng, n, rank=None, batch=()):
@@ -19,12 +21,19 @@ def random_psd(rng, n, rank=None, batch=()):
   return m @ np.swapaxes(m, -1, -2) / m.shape[-1]
 
 
-def filled(c, dtype=jnp.float32, diagonal=False):
+def filled(c, dtype=jnp.float32, diagonal=False, cache="power"):
   c = np.asarray(c)
   state = kfl.init_factor(c.shape[-1], diagonal=diagonal,
                           batch_shape=c.shape[:-1] if diagonal else c.shape[:-2],
-                          dtype=dtype)
+                          dtype=dtype, cache=cache)
   return kfl.update_cov(state, c, 0.5)
+
+
+def assert_same_state(after, before, skip=()):
+  for name in before._fields:
+    if name not in skip:
+      jax.tree.map(np.testing.assert_array_equal, getattr(after, name),
+                   getattr(before, name))
 
 
 def brute_power(c, damping, exp):
@@ -60,9 +69,7 @@ def test_non_finite_statistics_leave_state_exactly_unchanged(bad, diagonal):
   new = np.array(c)
   new.flat[2] = bad
   after = kfl.update_cov(state, new, 0.9)
-  for name in state._fields:
-    if name != "num_skipped":
-      np.testing.assert_array_equal(getattr(after, name), getattr(state, name))
+  assert_same_state(after, state, skip=("num_skipped",))
   assert int(after.num_skipped) == int(state.num_skipped) + 1
   after = kfl.update_cov(state, c, 0.9, weight=np.nan)
   np.testing.assert_array_equal(after.cov, state.cov)
@@ -77,21 +84,26 @@ def test_shape_mismatch_names_both_shapes():
 @SETTINGS
 @hypothesis.given(n=st.integers(1, 6), damping=st.floats(1e-3, 10.0),
                   exp=st.sampled_from([-1.0, -0.5, -0.25, 0.5, 1.0, 2.0, -1.5]),
+                  method=st.sampled_from(METHODS),
                   seed=st.integers(0, 2**16), x64=st.booleans())
-def test_damped_matpower_matches_brute_force(n, damping, exp, seed, x64):
+def test_damped_matpower_matches_brute_force(n, damping, exp, method, seed, x64):
   rng = np.random.default_rng(seed)
   c = random_psd(rng, n, rank=max(1, n - 2))  # Singular when rank < n.
   with x64_mode(x64):
     dtype = jnp.float64 if x64 else jnp.float32
     state = filled(c, dtype)
-    got = kfl.damped_matpower(state, damping, exp)
+    got = kfl.damped_matpower(state, damping, exp, method=method)
     assert got.dtype == dtype
     tol = 1e-9 if x64 else 2e-4
     expected = brute_power(c, damping, exp)
     scale = np.abs(expected).max()
     np.testing.assert_allclose(got, expected, atol=tol * scale, rtol=tol * 10)
+    # A refreshed power cache holds the same power.
+    cached = kfl.refresh_cache(state, 1, damping=damping, exp=exp, method=method)
+    np.testing.assert_allclose(cached.cache.matpower, expected,
+                               atol=tol * scale, rtol=tol * 10)
     # The cached eigendecomposition gives the same power at any damping.
-    cached = kfl.refresh_cache(state, 1)
+    cached = kfl.refresh_cache(filled(c, dtype, cache="eigh"), 1)
     np.testing.assert_allclose(
         kfl.damped_matpower(cached, damping, exp, use_cache=True), expected,
         atol=tol * scale, rtol=tol * 10)
@@ -102,11 +114,13 @@ def test_damped_matpower_matches_brute_force(n, damping, exp, seed, x64):
         (d + damping) ** exp, rtol=tol * 10)
 
 
-def test_negative_eigenvalues_are_clipped_and_cholesky_falls_back():
-  # Not PSD: the Cholesky factor of C + dI fails; the eigh path clips at 0.
+@pytest.mark.parametrize("method", METHODS)
+def test_negative_eigenvalues_are_clipped_and_inverses_fall_back(method):
+  # Not PSD: C + dI has a negative pivot, so the fast inverses fail and the
+  # eigh path clips at 0.
   c = np.array([[1.0, 0.0], [0.0, -0.5]])
   state = filled(c)
-  got = kfl.damped_matpower(state, 0.1, -1.0)
+  got = kfl.damped_matpower(state, 0.1, -1.0, method=method)
   np.testing.assert_allclose(got, np.diag([1 / 1.1, 1 / 0.1]), rtol=1e-5)
   np.testing.assert_allclose(kfl.damped_matpower(state, 0.1, 1.0),
                              np.diag([1.1, 0.1]), rtol=1e-5)
@@ -122,24 +136,125 @@ def test_batched_factors_take_per_group_damping():
                                rtol=1e-4, atol=1e-5)
 
 
-def test_refresh_caches_power_and_keeps_last_good_cache_on_failure():
+def test_refresh_caches_power_or_eigendecomposition():
   rng = np.random.default_rng(4)
   c = random_psd(rng, 4)
   state = kfl.refresh_cache(filled(c), 7, damping=0.3, exp=-1.0)
-  np.testing.assert_allclose(state.matpower, np.linalg.inv(c + 0.3 * np.eye(4)),
-                             rtol=1e-4)
-  assert int(state.cache_step) == 7
+  np.testing.assert_allclose(state.cache.matpower,
+                             np.linalg.inv(c + 0.3 * np.eye(4)), rtol=1e-4)
+  assert int(state.cache.step) == 7
   state = kfl.refresh_cache(state, 8, damping=0.3, exp=-0.5)
-  np.testing.assert_allclose(state.matpower, brute_power(c, 0.3, -0.5),
+  np.testing.assert_allclose(state.cache.matpower, brute_power(c, 0.3, -0.5),
                              rtol=1e-4, atol=1e-6)
+  eig = kfl.refresh_cache(filled(c, cache="eigh"), 8).cache
   np.testing.assert_allclose(
-      state.eigvecs @ np.diag(state.eigvals) @ state.eigvecs.T, c, atol=1e-5)
-  # A corrupted running estimate (NaN) makes the decomposition fail.
-  broken = state._replace(cov=state.cov.at[0, 0].set(jnp.nan))
-  after = kfl.refresh_cache(broken, 9, damping=0.3)
-  for name in ("eigvals", "eigvecs", "matpower", "cache_step"):
-    np.testing.assert_array_equal(getattr(after, name), getattr(state, name))
-  assert int(after.num_failed) == 1
+      eig.eigvecs @ np.diag(eig.eigvals) @ eig.eigvecs.T, c, atol=1e-5)
+  with pytest.raises(ValueError, match="damping="):
+    kfl.refresh_cache(state, 9)
+
+
+def test_cache_keeps_only_what_its_kind_needs():
+  n, nbytes = 5, lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
+  power, eig = kfl.init_factor(n), kfl.init_factor(n, cache="eigh")
+  # cov + one n×n array (+ the scalars: weight, three counters/steps).
+  assert nbytes(power) == 4 * (2 * n * n) + 4 * 4
+  assert nbytes(eig) == 4 * (2 * n * n + n) + 4 * 4
+  assert power.cache.eigvecs.size == power.cache.eigvals.size == 0
+  assert eig.cache.matpower.size == 0
+  assert fac.cache_kind(power) == "power" and fac.cache_kind(eig) == "eigh"
+  diag = kfl.init_factor(n, diagonal=True, batch_shape=(3,))
+  assert nbytes(diag) == 4 * (2 * 3 * n) + 4 * 4 and fac.is_diagonal(diag)
+  assert not fac.is_diagonal(kfl.init_factor(n, batch_shape=(3,)))
+  with pytest.raises(ValueError, match="cache must be one of"):
+    kfl.init_factor(n, cache="both")
+  with pytest.raises(ValueError, match="inverse_method must be one of"):
+    fac.check_inverse_method("lu")
+
+
+@pytest.mark.parametrize("x64", [False, True])
+@pytest.mark.parametrize("method", METHODS)
+def test_each_inverse_method_refreshes_the_exact_damped_inverse(method, x64):
+  """Sizes below, at and above the Gauss-Jordan block (padding), batched
+  groups with their own damping, singular factors."""
+  rng = np.random.default_rng(6)
+  with x64_mode(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    tol = 1e-9 if x64 else 2e-4
+    for n, batch in ((1, ()), (7, (2,)), (70, (2,))):
+      c = random_psd(rng, n, rank=max(1, n // 2), batch=batch)
+      damping = np.linspace(0.05, 0.5, int(np.prod(batch)) or 1).reshape(batch)
+      state = jax.jit(lambda s, d: kfl.refresh_cache(s, 4, damping=d,
+                                                     method=method))(
+          filled(c, dtype), damping)
+      got = np.asarray(state.cache.matpower)
+      assert got.dtype == dtype and int(state.cache.step) == 4
+      flat_c = c.reshape((-1, n, n))
+      for i, (ci, di) in enumerate(zip(flat_c, np.ravel(damping))):
+        expected = np.linalg.inv(ci + di * np.eye(n))
+        np.testing.assert_allclose(got.reshape((-1, n, n))[i], expected,
+                                   atol=tol * np.abs(expected).max(), rtol=tol)
+
+
+def _poisoned_gauss_jordan(monkeypatch):
+  """Make the Gauss-Jordan path recognisable: it returns 7·(its inverse)."""
+  real = _inverse.gauss_jordan_inverse
+  monkeypatch.setattr(_inverse, "gauss_jordan_inverse",
+                      lambda m, *a: (lambda r: (7 * r[0], r[1]))(real(m, *a)))
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_newton_schulz_warm_start_and_fallback(monkeypatch, x64):
+  rng = np.random.default_rng(7)
+  n = 6
+  c0 = random_psd(rng, n)
+  c1 = c0 + 0.1 * random_psd(rng, n)  # Moved a little since the last refresh.
+  with x64_mode(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    tol = 1e-9 if x64 else 2e-4
+    expected = np.linalg.inv(c1 + 0.5 * np.eye(n))
+    close = lambda got, want: np.testing.assert_allclose(
+        got, want, atol=tol * np.abs(want).max(), rtol=tol)
+    refresh = jax.jit(lambda st, step: kfl.refresh_cache(
+        st, step, damping=0.5, method="newton_schulz"))
+    warm = kfl.refresh_cache(filled(c0, dtype), 1, damping=0.5)
+    _poisoned_gauss_jordan(monkeypatch)
+    # Warm start close enough: Newton-Schulz alone gives the exact inverse.
+    moved = warm._replace(cov=filled(c1, dtype).cov)
+    close(refresh(moved, 2).cache.matpower, expected)
+    # No cache yet (step -1): the Gauss-Jordan fallback computes it.
+    close(refresh(filled(c1, dtype), 2).cache.matpower, 7 * expected)
+    # A warm start too far away (residual >= 1): the fallback again.
+    far = moved._replace(cache=moved.cache._replace(
+        matpower=moved.cache.matpower * 10))
+    close(refresh(far, 2).cache.matpower, 7 * expected)
+    # The iteration itself: quadratic convergence from a close start, and
+    # "not converged" from a start whose residual does not shrink.
+    m = jnp.asarray(c1 + 0.5 * np.eye(n), dtype)
+    x, ok = _inverse.newton_schulz_inverse(m, warm.cache.matpower)
+    assert bool(ok)
+    close(x, expected)
+    assert not bool(_inverse.newton_schulz_inverse(m, jnp.zeros_like(m))[1])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_failed_decomposition_keeps_the_last_good_cache(method):
+  rng = np.random.default_rng(8)
+  c = random_psd(rng, 4)
+  state = kfl.refresh_cache(filled(c), 7, damping=0.3, method=method)
+  # A corrupted running estimate (NaN), and one that no damping makes
+  # positive definite (an eigenvalue of -5 with damping 0.3).
+  nan = state._replace(cov=state.cov.at[0, 0].set(jnp.nan))
+  indefinite = state._replace(cov=filled(c - 5 * np.eye(4)).cov)
+  for broken in (nan, indefinite):
+    after = kfl.refresh_cache(broken, 9, damping=0.3, method=method)
+    if method == "eigh" and broken is indefinite:
+      continue  # eigh clips the eigenvalues at 0: a valid (damped) inverse.
+    assert_same_state(after.cache, state.cache, skip=("num_failed",))
+    assert int(after.cache.num_failed) == 1
+  eig = kfl.refresh_cache(filled(c, cache="eigh"), 7)
+  after = kfl.refresh_cache(eig._replace(cov=eig.cov.at[0, 0].set(jnp.nan)), 9)
+  assert_same_state(after.cache, eig.cache, skip=("num_failed",))
+  assert int(after.cache.num_failed) == 1
 
 
 def test_factor_products():
@@ -167,6 +282,6 @@ def test_factor_functions_jit_and_are_pytrees():
   state = update(state, jnp.eye(3), 0.9)
   refresh = jax.jit(lambda s, d: fac.refresh_cache(s, 1, damping=d))
   state = refresh(state, 0.1)
-  np.testing.assert_allclose(state.matpower, np.eye(3) / 1.1, rtol=1e-6)
+  np.testing.assert_allclose(state.cache.matpower, np.eye(3) / 1.1, rtol=1e-6)
   leaves, treedef = jax.tree.flatten(state)
   assert isinstance(jax.tree.unflatten(treedef, leaves), kfl.FactorState)

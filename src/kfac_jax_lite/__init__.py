@@ -18,13 +18,14 @@ from kfac_jax_lite.optimizer import KfacOptimizerState, kfac_optimizer
 from kfac_jax_lite.transform import KfacState, kfac
 from kfac_jax_lite.tagging import Layer, TaggedLoss, describe, find_layers
 from kfac_jax_lite.factor import (
-    FactorState, damped_cholesky, damped_matpower, factor_value, init_factor,
-    multiply, multiply_inverse, multiply_matpower, refresh_cache, update_cov)
+    FactorCache, FactorState, damped_cholesky, damped_matpower, factor_value,
+    init_factor, multiply, multiply_inverse, multiply_matpower, refresh_cache,
+    update_cov)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DiagonalConv", "DiagonalDense", "FactorState", "Full", "KroneckerConv",
+    "DiagonalConv", "DiagonalDense", "FactorCache", "FactorState", "Full", "KroneckerConv",
     "KroneckerDense", "KroneckerEmbedding", "KroneckerState", "NaiveDiagonal",
     "ScaleAndShift", "blocks", "damped_cholesky", "damped_matpower",
     "factor_value", "init_factor", "multiply", "multiply_inverse",

@@ -84,11 +84,11 @@ def multiply(s: KroneckerState, v, renorm_coeff):
 def _eigen(state: fac.FactorState, use_cache: bool):
   """(eigenvalues, eigenvectors or None for a diagonal factor)."""
   if fac.is_diagonal(state):
-    vals = state.eigvals if use_cache else fac.factor_value(state)
+    vals = state.cache.eigvals if use_cache else fac.factor_value(state)
     return jnp.maximum(vals, 0), None
   if use_cache:
-    return state.eigvals, state.eigvecs
-  return fac._eigh(fac.factor_value(state))
+    return state.cache.eigvals, state.cache.eigvecs
+  return fac.eigh(fac.factor_value(state))
 
 
 def _to_eigenbasis(v, qa, qg):
@@ -108,36 +108,47 @@ def _exact_spectrum(s, damping, renorm_coeff, use_cache):
   return qa, qg, renorm_coeff * wa[..., :, None] * wg[..., None, :] + lam
 
 
+def cache_kind(mode):
+  """The factors' cache for a damping mode: ``"pi"`` keeps the damped powers
+  (one ``n×n`` array per factor), ``"exact"`` the eigendecompositions."""
+  return "eigh" if mode == "exact" else "power"
+
+
 def matpower(s: KroneckerState, v, damping, exp, mode, renorm_coeff,
-             use_cache=False):
+             use_cache=False, method="auto"):
   """``(F + λI)^exp V`` in the given damping mode.
 
   With ``use_cache`` in ``"pi"`` mode the factors' cached damped powers
   (computed by ``refresh``, with the damping and power given then) are
   used; in ``"exact"`` mode the cached eigendecompositions are used with
-  the damping and power given now.
+  the damping and power given now. ``method``: how damped inverses are
+  computed without the cache (``factor.INVERSE_METHODS``).
   """
   if mode == "exact":
     qa, qg, spec = _exact_spectrum(s, damping, renorm_coeff, use_cache)
     return _from_eigenbasis(spec ** exp * _to_eigenbasis(v, qa, qg), qa, qg)
   if use_cache:
-    pa, pg = s.a.matpower, s.g.matpower
+    pa, pg = s.a.cache.matpower, s.g.cache.matpower
   else:
     da, dg = pi_adjusted_damping(s, damping, renorm_coeff)
-    pa = fac.damped_matpower(s.a, da, exp)
-    pg = fac.damped_matpower(s.g, dg, exp)
+    pa = fac.damped_matpower(s.a, da, exp, method=method)
+    pg = fac.damped_matpower(s.g, dg, exp, method=method)
   out = right(left(pa, v, fac.is_diagonal(s.a)), pg, fac.is_diagonal(s.g))
   return renorm_coeff ** exp * out
 
 
-def refresh(s: KroneckerState, damping, exp, mode, renorm_coeff, step):
-  """Cache what ``matpower(..., use_cache=True)`` needs."""
+def refresh(s: KroneckerState, damping, exp, mode, renorm_coeff, step,
+            method="auto"):
+  """Cache what ``matpower(..., use_cache=True)`` needs: in ``"exact"`` mode
+  the eigendecompositions, in ``"pi"`` mode the π-damped powers (inverses
+  by ``method``, see ``factor.INVERSE_METHODS``)."""
   if mode == "exact":
     return KroneckerState(fac.refresh_cache(s.a, step),
                           fac.refresh_cache(s.g, step))
   da, dg = pi_adjusted_damping(s, damping, renorm_coeff)
-  return KroneckerState(fac.refresh_cache(s.a, step, damping=da, exp=exp),
-                        fac.refresh_cache(s.g, step, damping=dg, exp=exp))
+  return KroneckerState(
+      fac.refresh_cache(s.a, step, damping=da, exp=exp, method=method),
+      fac.refresh_cache(s.g, step, damping=dg, exp=exp, method=method))
 
 
 def cholesky(s: KroneckerState, v, damping, mode, renorm_coeff, *,

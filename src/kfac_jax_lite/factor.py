@@ -11,11 +11,40 @@ as a zero-debiased exponential moving average
 
 so the first update already gives ``C_1 = X_1`` whatever the decay.
 
-Beside the running estimate a factor carries a cache of its last
-decomposition (eigenvalues, eigenvectors, and a damped matrix power), the
-step at which it was computed, and two health counters: how many updates
-were refused for non-finite statistics and how many decompositions failed
-(the last good cache is kept then).
+Beside the running estimate a factor carries a ``FactorCache`` (its own
+sub-pytree, so that it can be shared or checkpointed as one field) of what
+its last refresh computed, in one of two kinds chosen at ``init_factor``:
+
+* ``"power"`` — the damped power ``(C + d·I)^p`` at the refresh's damping
+  ``d`` and power ``p`` (one ``n×n`` array; K-FAC's π-damped inverses);
+* ``"eigh"`` — the eigendecomposition of ``C``, for any damping and power
+  later (eigenvalues ``[n]`` and eigenvectors ``n×n``; exact damping).
+
+Parts a kind does not keep have size 0 along their last axis. The cache also
+holds the step of the last good refresh and how many refreshes failed (a
+decomposition that fails keeps the last good cache).
+
+Damped inverses ``(C + d·I)⁻¹`` come from one of ``INVERSE_METHODS``:
+
+* ``"gauss_jordan"`` — blocked Gauss–Jordan elimination (``_inverse``):
+  XLA matrix products only, ``2n³`` flops, exact to rounding like a
+  Cholesky inverse. The default on CPU, where LAPACK's own thread pool
+  competes with XLA's (a refresh through LAPACK was 6-40× slower there
+  unless the user capped it).
+* ``"cholesky"`` — ``L Lᵀ = C + d·I`` (LAPACK / cuSOLVER), then
+  ``L⁻ᵀ L⁻¹`` by two triangular solves against ``I``. The default on other
+  backends.
+* ``"newton_schulz"`` — ``X ← X + X(I − (C + d·I) X)`` warm-started from the
+  cached inverse of the last refresh, while the residual keeps halving; if
+  it does not reach rounding level (or there is no cache yet) the inverse
+  is computed by ``"gauss_jordan"`` instead (a ``lax.cond``). Matrix
+  products only (``4n³`` flops a step); under ``vmap`` both branches run.
+* ``"eigh"`` — ``Q (Λ + d)⁻¹ Qᵀ`` from the eigendecomposition, eigenvalues
+  clipped at 0.
+
+``"auto"`` picks per backend. Powers other than -1 always use ``eigh``. A
+decomposition fails when the damped factor is not numerically positive
+definite (a non-positive pivot) or the result is not finite.
 
 Everything here is a pure function on ``FactorState``; nothing traces user
 code and nothing depends on optax.
@@ -28,7 +57,26 @@ import jax
 import jax.numpy as jnp
 from jax.scipy import linalg as jsl
 
+from kfac_jax_lite import _inverse
+
 Array = jax.Array
+
+CACHE_KINDS = ("power", "eigh")
+INVERSE_METHODS = ("auto", "gauss_jordan", "cholesky", "newton_schulz", "eigh")
+# "auto" per backend: measured on CPU (benchmarks/README.md); elsewhere the
+# vendor's Cholesky until measured (see check_inverse_method).
+AUTO_METHODS = {"cpu": "gauss_jordan"}
+AUTO_DEFAULT = "cholesky"
+
+
+class FactorCache(NamedTuple):
+  """What the last refresh computed (see the module docstring)."""
+
+  eigvals: Array  # "eigh": eigenvalues of C clipped at 0, [..., n]; else [..., 0].
+  eigvecs: Array  # "eigh" and dense: eigenvectors [..., n, n]; else [..., 0].
+  matpower: Array  # "power": (C + d I)^p, [..., n, n] or [..., n]; else [..., 0].
+  step: Array  # int32: step of the last good refresh (-1: never).
+  num_failed: Array  # int32: refreshes whose decomposition failed.
 
 
 class FactorState(NamedTuple):
@@ -37,30 +85,50 @@ class FactorState(NamedTuple):
   cov: Array  # EMA accumulator S_t: [..., n, n] (dense) or [..., n] (diagonal).
   weight: Array  # EMA of the update weights W_t; C_t = cov / weight.
   num_skipped: Array  # int32: updates refused for non-finite statistics.
-  eigvals: Array  # cache: eigenvalues of C (clipped at 0), [..., n].
-  eigvecs: Array  # cache: eigenvectors of C, [..., n, n]; [..., 0] if diagonal.
-  matpower: Array  # cache: (C + d I)^p at the last refresh's damping d, power p.
-  cache_step: Array  # int32: step of the last good refresh (-1: never).
-  num_failed: Array  # int32: refreshes whose decomposition was non-finite.
+  cache: FactorCache
 
 
 def init_factor(dim: int, *, diagonal: bool = False, batch_shape=(),
-                dtype=jnp.float32) -> FactorState:
-  """A factor of size ``dim`` with no statistics yet (it reads as zero)."""
+                dtype=jnp.float32, cache: str = "power") -> FactorState:
+  """A factor of size ``dim`` with no statistics yet (it reads as zero).
+
+  ``cache``: ``"power"`` keeps the damped power of the last refresh,
+  ``"eigh"`` its eigendecomposition.
+  """
+  if cache not in CACHE_KINDS:
+    raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
   batch_shape = tuple(batch_shape)
   vec = jnp.zeros(batch_shape + (dim,), dtype)
   mat = vec if diagonal else jnp.zeros(batch_shape + (dim, dim), dtype)
-  eigvecs = jnp.zeros(batch_shape + (0,), dtype) if diagonal else mat
+  empty = jnp.zeros(batch_shape + (0,), dtype)
+  if cache == "eigh":
+    parts = dict(eigvals=vec, eigvecs=empty if diagonal else mat, matpower=empty)
+  else:
+    parts = dict(eigvals=empty, eigvecs=empty, matpower=mat)
   return FactorState(
       cov=mat, weight=jnp.zeros((), dtype),
-      num_skipped=jnp.zeros((), jnp.int32), eigvals=vec, eigvecs=eigvecs,
-      matpower=mat, cache_step=jnp.full((), -1, jnp.int32),
-      num_failed=jnp.zeros((), jnp.int32))
+      num_skipped=jnp.zeros((), jnp.int32),
+      cache=FactorCache(step=jnp.full((), -1, jnp.int32),
+                        num_failed=jnp.zeros((), jnp.int32), **parts))
 
 
 def is_diagonal(state: FactorState) -> bool:
   """Whether the factor holds only a diagonal (decided by static shapes)."""
-  return state.cov.ndim == state.eigvals.ndim
+  return state.cov.ndim == state.cache.eigvals.ndim
+
+
+def cache_kind(state: FactorState) -> str:
+  """``"power"`` or ``"eigh"``: what the factor's cache keeps."""
+  return "power" if state.cache.matpower.shape[-1] else "eigh"
+
+
+def check_inverse_method(method: str, where: str = "inverse_method") -> str:
+  """``method`` resolved for the default backend (``"auto"``), or an error."""
+  if method not in INVERSE_METHODS:
+    raise ValueError(f"{where} must be one of {INVERSE_METHODS}, got {method!r}")
+  if method == "auto":
+    return AUTO_METHODS.get(jax.default_backend(), AUTO_DEFAULT)
+  return method
 
 
 def factor_value(state: FactorState) -> Array:
@@ -128,8 +196,8 @@ def _is_minus_one(exp) -> bool:
   return isinstance(exp, (int, float)) and float(exp) == -1.0
 
 
-def _eigh(c: Array):
-  """Symmetric eigendecomposition with eigenvalues clipped at zero."""
+def eigh(c: Array):
+  """Symmetric eigendecomposition ``(w, Q)`` with eigenvalues clipped at 0."""
   w, q = jnp.linalg.eigh((c + jnp.swapaxes(c, -1, -2)) / 2)
   return jnp.maximum(w, 0), q
 
@@ -143,6 +211,22 @@ def _damped(c: Array, damping) -> Array:
   return c + jnp.asarray(damping, c.dtype)[..., None, None] * _eye_like(c)
 
 
+def _damped_inverse(c: Array, damping, method: str, warm=None):
+  """``((C + d·I)⁻¹, ok)`` by ``method`` (resolved); ``ok`` a scalar bool."""
+  m = _damped(c, damping)
+  if method == "gauss_jordan" or (method == "newton_schulz" and warm is None):
+    return _inverse.gauss_jordan_inverse(m)
+  if method == "newton_schulz":
+    x, converged = _inverse.newton_schulz_inverse(m, warm)
+    return jax.lax.cond(converged, lambda m: (x, converged),
+                        _inverse.gauss_jordan_inverse, m)
+  if method == "cholesky":
+    inv = jsl.cho_solve((jnp.linalg.cholesky(m), True), _eye_like(m))
+  else:
+    inv = _power_from_eigh(*eigh(c), damping, -1.0)
+  return inv, all_finite(inv)
+
+
 def damped_cholesky(state: FactorState, damping) -> Array:
   """Lower-triangular ``L`` with ``L Lᵀ = C + damping·I`` (diagonal: ``√(c+d)``)."""
   c = factor_value(state)
@@ -152,66 +236,85 @@ def damped_cholesky(state: FactorState, damping) -> Array:
 
 
 def damped_matpower(state: FactorState, damping, exp, *,
-                    use_cache: bool = False) -> Array:
+                    use_cache: bool = False, method: str = "auto") -> Array:
   """``(C + damping·I)^exp`` for any real ``exp``.
 
   Computed through a symmetric eigendecomposition whose eigenvalues are
-  clipped at 0 before damping; ``exp = -1`` takes the Cholesky fast path
-  (falling back to the eigendecomposition if the Cholesky factor is not
-  finite). With ``use_cache=True`` the cached eigendecomposition from the
-  last ``refresh_cache`` is used instead of decomposing now. ``damping`` may
-  be an array over the factor's batch axes. A diagonal factor returns the
-  diagonal of the result.
+  clipped at 0 before damping; ``exp = -1`` takes the fast path of
+  ``method`` (see the module docstring; ``"newton_schulz"`` has no warm
+  start here and uses ``"gauss_jordan"``), falling back to the
+  eigendecomposition when the damped factor is not numerically positive
+  definite. With ``use_cache=True`` the cache of the last ``refresh_cache``
+  is used instead of decomposing now: an ``"eigh"`` cache at this
+  ``damping`` and ``exp``, a ``"power"`` cache as it was computed (the
+  damping and power of that refresh; the arguments are not used).
+  ``damping`` may be an array over the factor's batch axes. A diagonal
+  factor returns the diagonal of the result.
   """
-  if is_diagonal(state):
-    c = state.eigvals if use_cache else factor_value(state)
-    return (jnp.maximum(c, 0) + _damping_array(damping, c.dtype)[..., 0]) ** exp
+  method = check_inverse_method(method)
   if use_cache:
-    return _power_from_eigh(state.eigvals, state.eigvecs, damping, exp)
-  c = factor_value(state)
-  if _is_minus_one(exp):
-    def by_cholesky(c):
-      chol = jnp.linalg.cholesky(_damped(c, damping))
-      return jsl.cho_solve((chol, True), _eye_like(c))
-
-    def by_eigh(c):
-      return _power_from_eigh(*_eigh(c), damping, -1.0)
-
-    inv = by_cholesky(c)
-    return jax.lax.cond(all_finite(inv), lambda _: inv, by_eigh, c)
-  return _power_from_eigh(*_eigh(c), damping, exp)
-
-
-def refresh_cache(state: FactorState, step, *, damping=None,
-                  exp=-1.0) -> FactorState:
-  """Recompute the cached decomposition at ``step``.
-
-  With ``damping=None`` the eigendecomposition is cached (for exact damping
-  and arbitrary powers, applied later with any damping). With a damping the
-  damped power ``(C + damping·I)^exp`` is cached as well (for ``exp = -1``
-  through the Cholesky fast path, leaving the eigen cache as it was).
-  A decomposition with a non-finite entry keeps the last good cache and
-  counts in ``num_failed``.
-  """
+    cache = state.cache
+    if cache_kind(state) == "power":
+      return cache.matpower
+    if is_diagonal(state):
+      return (cache.eigvals + _damping_array(damping, cache.eigvals.dtype)[..., 0]
+              ) ** exp
+    return _power_from_eigh(cache.eigvals, cache.eigvecs, damping, exp)
   c = factor_value(state)
   if is_diagonal(state):
-    eigvals, eigvecs = jnp.maximum(c, 0), state.eigvecs
-  elif damping is not None and _is_minus_one(exp):
-    eigvals, eigvecs = state.eigvals, state.eigvecs
+    return (jnp.maximum(c, 0) + _damping_array(damping, c.dtype)[..., 0]) ** exp
+  if _is_minus_one(exp) and method != "eigh":
+    inv, ok = _damped_inverse(c, damping, method)
+    return jax.lax.cond(
+        ok, lambda c: inv, lambda c: _power_from_eigh(*eigh(c), damping, -1.0),
+        c)
+  return _power_from_eigh(*eigh(c), damping, exp)
+
+
+def refresh_cache(state: FactorState, step, *, damping=None, exp=-1.0,
+                  method: str = "auto") -> FactorState:
+  """Recompute the factor's cache at ``step``.
+
+  An ``"eigh"`` cache gets the eigendecomposition of ``C`` (``damping`` and
+  ``exp`` are not used: they are applied later). A ``"power"`` cache gets
+  ``(C + damping·I)^exp`` (``damping`` required), for ``exp = -1`` by
+  ``method`` (``"newton_schulz"`` warm-starts from the cached inverse),
+  otherwise through the eigendecomposition. A decomposition that fails (a
+  damped factor that is not numerically positive definite, a non-finite
+  result) keeps the last good cache and counts in ``num_failed``.
+  """
+  method = check_inverse_method(method)
+  c = factor_value(state)
+  old = state.cache
+  if cache_kind(state) == "eigh":
+    if is_diagonal(state):
+      new = old._replace(eigvals=jnp.maximum(c, 0))
+    else:
+      w, q = eigh(c)
+      new = old._replace(eigvals=w, eigvecs=q)
+    ok = jnp.asarray(True)
   else:
-    eigvals, eigvecs = _eigh(c)
-  new = state._replace(eigvals=eigvals, eigvecs=eigvecs)
-  if damping is not None:
-    new = new._replace(matpower=damped_matpower(
-        new, damping, exp, use_cache=not _is_minus_one(exp)))
-  ok = all_finite((new.eigvals, new.eigvecs, new.matpower))
+    if damping is None:
+      raise ValueError("refresh_cache: this factor caches a damped power "
+                       "(init_factor(cache='power')), so damping= is needed")
+    if is_diagonal(state):
+      power = (jnp.maximum(c, 0) + _damping_array(damping, c.dtype)[..., 0]) ** exp
+      ok = jnp.asarray(True)
+    elif _is_minus_one(exp):
+      warm = jnp.where(old.step >= 0, old.matpower, jnp.zeros_like(old.matpower))
+      power, ok = _damped_inverse(c, damping, method, warm)
+    else:
+      power = _power_from_eigh(*eigh(c), damping, exp)
+      ok = jnp.asarray(True)
+    new = old._replace(matpower=power)
+  ok = ok & all_finite((new.eigvals, new.eigvecs, new.matpower))
   keep = lambda n, o: jnp.where(ok, n, o)
-  return state._replace(
-      eigvals=keep(new.eigvals, state.eigvals),
-      eigvecs=keep(new.eigvecs, state.eigvecs),
-      matpower=keep(new.matpower, state.matpower),
-      cache_step=jnp.where(ok, jnp.asarray(step, jnp.int32), state.cache_step),
-      num_failed=state.num_failed + jnp.where(ok, 0, 1).astype(jnp.int32))
+  return state._replace(cache=FactorCache(
+      eigvals=keep(new.eigvals, old.eigvals),
+      eigvecs=keep(new.eigvecs, old.eigvecs),
+      matpower=keep(new.matpower, old.matpower),
+      step=jnp.where(ok, jnp.asarray(step, jnp.int32), old.step),
+      num_failed=old.num_failed + jnp.where(ok, 0, 1).astype(jnp.int32)))
 
 
 # --- products with one factor ----------------------------------------------
@@ -229,10 +332,10 @@ def multiply(state: FactorState, x: Array) -> Array:
 
 
 def multiply_matpower(state: FactorState, x: Array, damping, exp, *,
-                      use_cache: bool = False) -> Array:
-  """``(C + damping·I)^exp @ x``."""
-  return _apply(damped_matpower(state, damping, exp, use_cache=use_cache), x,
-                is_diagonal(state))
+                      use_cache: bool = False, method: str = "auto") -> Array:
+  """``(C + damping·I)^exp @ x`` (arguments as ``damped_matpower``)."""
+  return _apply(damped_matpower(state, damping, exp, use_cache=use_cache,
+                                method=method), x, is_diagonal(state))
 
 
 def multiply_inverse(state: FactorState, x: Array, damping, *,

@@ -100,9 +100,9 @@ def _block_counts(blocks):
     factors = [f for f in jax.tree.leaves(block, is_leaf=_is_factor)
                if _is_factor(f)]
     skipped += sum(_total(f.num_skipped) for f in factors)
-    failed += sum(_total(f.num_failed) for f in factors)
+    failed += sum(_total(f.cache.num_failed) for f in factors)
     # Leading axes (a scan stack, a pmap device axis) are separate blocks.
-    steps = [np.asarray(f.cache_step) for f in factors]
+    steps = [np.asarray(f.cache.step) for f in factors]
     unready += int(np.sum(np.any(np.stack(steps) < 0, axis=0)))
   return skipped, failed, unready
 

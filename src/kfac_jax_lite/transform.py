@@ -163,9 +163,9 @@ def has_statistics(block_state):
 
 def is_ready(block_state):
   """Whether every factor of one (unstacked) block has a cached
-  decomposition of real statistics (``FactorState.cache_step >= 0``); a
+  decomposition of real statistics (``FactorState.cache.step >= 0``); a
   block that is not ready passes its gradient through unpreconditioned."""
-  return jnp.all(jnp.stack([f.cache_step >= 0 for f in _factors(block_state)]))
+  return jnp.all(jnp.stack([f.cache.step >= 0 for f in _factors(block_state)]))
 
 
 def is_refresh_step(count, inverse_every):
@@ -189,18 +189,12 @@ def _owner_mask(index, axis_name):
   return jax.lax.axis_index(axis_name) == index % n
 
 
-_CACHE_FIELDS = ("eigvals", "eigvecs", "matpower", "cache_step", "num_failed")
-
-
 def _share_caches(refreshed, old, mine, axis_name):
   """Every device gets the owner's refreshed caches (a psum of one share)."""
   def share(new_f, old_f):
-    updates = {}
-    for name in _CACHE_FIELDS:
-      x = getattr(new_f, name)
-      updates[name] = jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)),
-                                   axis_name)
-    return old_f._replace(**updates)
+    return old_f._replace(cache=jax.tree.map(
+        lambda x: jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)),
+                               axis_name), new_f.cache))
   is_factor = lambda x: isinstance(x, fac.FactorState)
   return jax.tree.map(share, refreshed, old, is_leaf=is_factor)
 
@@ -232,7 +226,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
          inverse_every=10, damping_mode="pi", stats_fraction=1.0,
          precon_power=-1.0, norm_constraint=DEFAULT_NORM_CONSTRAINT,
          blocks=None, exclude=(), weight_sharing="expand", axis_name=None,
-         has_aux=False, seed=0) -> optax.GradientTransformationExtraArgs:
+         has_aux=False, seed=0, inverse_method="auto"
+         ) -> optax.GradientTransformationExtraArgs:
   """The K-FAC preconditioner; see the module docstring.
 
   ``stats_fraction`` applies to statistics computed here from ``batch=``;
@@ -243,8 +238,18 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
   detected blocks per path or kind (see ``kfl.find_layers``).
   ``update(grads, state, params, *, batch=None, stats=None, damping=None)``;
   a ``damping`` given there overrides the configured one for that step.
+  ``inverse_method``: how each refresh computes the damped inverses
+  ``(C + d·I)⁻¹`` of the π-damped factors (``precon_power=-1``):
+  ``"gauss_jordan"`` (blocked Gauss–Jordan elimination, XLA matrix products
+  only, 2n³ flops), ``"cholesky"`` (LAPACK/cuSOLVER ``L Lᵀ``, then ``L⁻ᵀL⁻¹``),
+  ``"newton_schulz"`` (``X ← X + X(I − (C + d·I)X)`` from the previous
+  inverse, Gauss–Jordan when that does not converge), ``"eigh"``; ``"auto"``
+  (default): ``"gauss_jordan"`` on CPU, ``"cholesky"`` elsewhere. All are
+  exact to rounding; see ``kfl.factor``. Other powers and
+  ``damping_mode="exact"`` use eigendecompositions.
   """
   estimators.check_estimation(estimation, num_samples)
+  fac.check_inverse_method(inverse_method)
   if not 0 < stats_fraction <= 1:
     raise ValueError(f"stats_fraction must be in (0, 1], got {stats_fraction}")
   for name, value in (("cov_every", cov_every), ("inverse_every", inverse_every)):
@@ -319,7 +324,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     def refresh_one(st, b):
       # Factors without statistics read as zero: leave them unrefreshed
       # (not ready) rather than cache a decomposition of the damping alone.
-      new = b.refresh(st, lam, precon_power, step=state.count)
+      new = b.refresh(st, lam, precon_power, step=state.count,
+                      method=inverse_method)
       ok = has_statistics(st)
       return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, st)
 

@@ -23,7 +23,8 @@ curvature):
 * ``init(dtype)`` — a state with no statistics.
 * ``update(state, stats, decay, weight=1.0)`` — zero-debiased EMA; if any
   statistic is non-finite no factor changes (their ``num_skipped`` count it).
-* ``refresh(state, damping, exp=-1.0, step=0)`` — cache decompositions.
+* ``refresh(state, damping, exp=-1.0, step=0, method="auto")`` — cache
+  decompositions; damped inverses by ``method`` (``factor.INVERSE_METHODS``).
 * ``multiply(state, v)`` — ``F v``.
 * ``multiply_matpower(state, v, damping, exp, use_cache=False)`` —
   ``(F + λI)^p v`` under the block's damping approximation.
@@ -171,10 +172,12 @@ class KroneckerBlock(Block):
 
   def init(self, dtype=jnp.float32) -> _kron.KroneckerState:
     lay = self.layout
+    cache = _kron.cache_kind(self.damping_mode)
     return _kron.KroneckerState(
         a=fac.init_factor(lay.a, diagonal=self.input_diagonal,
-                          batch_shape=(lay.groups,), dtype=dtype),
-        g=fac.init_factor(lay.b, batch_shape=(lay.groups,), dtype=dtype))
+                          batch_shape=(lay.groups,), dtype=dtype, cache=cache),
+        g=fac.init_factor(lay.b, batch_shape=(lay.groups,), dtype=dtype,
+                          cache=cache))
 
   def update(self, state, stats, decay, weight=1.0):
     ok = fac.all_finite(stats)
@@ -182,9 +185,9 @@ class KroneckerBlock(Block):
         a=fac.update_cov_if(state.a, stats.a, decay, weight, ok),
         g=fac.update_cov_if(state.g, stats.g, decay, weight, ok))
 
-  def refresh(self, state, damping, exp=-1.0, step=0):
+  def refresh(self, state, damping, exp=-1.0, step=0, method="auto"):
     return _kron.refresh(state, damping, exp, self.damping_mode,
-                         self.renorm_coeff, step)
+                         self.renorm_coeff, step, method)
 
   def _mat(self, v):
     _layout.check_params(self, v, self.param_shapes)
@@ -251,8 +254,9 @@ class FlatBlock(Block):
   def update(self, state, stats, decay, weight=1.0):
     return fac.update_cov(state, stats, decay, weight)
 
-  def refresh(self, state, damping, exp=-1.0, step=0):
-    return fac.refresh_cache(state, step, damping=damping, exp=exp)
+  def refresh(self, state, damping, exp=-1.0, step=0, method="auto"):
+    return fac.refresh_cache(state, step, damping=damping, exp=exp,
+                             method=method)
 
   def _apply(self, v, fn):
     _layout.check_params(self, v, self.param_shapes)
@@ -267,8 +271,8 @@ class FlatBlock(Block):
 
   def multiply_matpower(self, state, v, damping, exp, use_cache=False):
     if use_cache:  # The cache holds the damped power chosen at refresh.
-      return self._apply(v, lambda x: state.matpower * x if self.diagonal
-                         else state.matpower @ x)
+      return self._apply(v, lambda x: fac._apply(
+          state.cache.matpower, x, self.diagonal))
     return self._apply(v, lambda x: fac.multiply_matpower(state, x, damping, exp))
 
   def multiply_inverse(self, state, v, damping, use_cache=False):

@@ -64,8 +64,9 @@ class Stacked(base.Block):
     return jax.vmap(lambda st, x: self.block.update(st, x, decay, weight))(
         state, stats)
 
-  def refresh(self, state, damping, exp=-1.0, step=0):
-    return jax.vmap(lambda st: self.block.refresh(st, damping, exp, step))(state)
+  def refresh(self, state, damping, exp=-1.0, step=0, method="auto"):
+    return jax.vmap(lambda st: self.block.refresh(st, damping, exp, step,
+                                                  method))(state)
 
   def multiply(self, state, v):
     return jax.vmap(self.block.multiply)(state, tuple(v))

@@ -34,9 +34,15 @@ class Table(list):
     line = lambda vals: "  ".join(v.ljust(w) for v, w in zip(vals, widths)).rstrip()
     out = [line(self.COLUMNS), line(["-" * w for w in widths])]
     out += [line(r) for r in cells]
-    total = sum(r["bytes"] for r in self)
-    out.append(f"{len(self)} blocks, {total} bytes of state")
+    total = self.total_bytes
+    out.append(f"{len(self)} blocks, {total} bytes of state "
+               f"({total / 2**20:.1f} MiB)")
     return "\n".join(out)
+
+  @property
+  def total_bytes(self):
+    """Bytes of the curvature state of all blocks (the total line)."""
+    return sum(r["bytes"] for r in self)
 
   __repr__ = __str__
 
