@@ -17,7 +17,10 @@ from kfac_jax_lite.laplace import _posterior as P
 
 # Block choices per layer kind (``blocks=`` of ``kfl.find_layers``) of each
 # blockwise structure; "full" is one dense matrix over all parameters. A new
-# structure (e.g. "ekfac") is a new entry here plus its ``_spectrum`` case.
+# blockwise structure (e.g. "ekfac": {"dense": "ekfac", "conv": "ekfac"}) is
+# an entry here, plus a case in ``_spectrum`` (its eigenvalues) and, if its
+# statistics are not all sums over examples, in ``blockwise_step``; its
+# block's ``multiply_matpower`` must apply the damping exactly.
 BLOCKWISE = {
     "kron": {"fallback": "naive_diagonal"},
     "diag": {"dense": "diagonal", "conv": "diagonal", "embedding": "diagonal",
@@ -56,7 +59,7 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
       as a mean over the batch.
     params: the MAP parameters, a pytree of float arrays.
     batches: an iterable of batches (pytrees of arrays sharing a leading
-      example axis); traced at the first. ``"full"`` and fallback
+      example axis; wrap a single batch in a list); traced at the first. ``"full"`` and fallback
       parameters process examples one at a time, so the loss must accept a
       batch of one.
     structure: ``"kron"`` (the K-FAC blocks, damped exactly),
@@ -100,7 +103,7 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
         damping_mode="exact")
     tagged = estimate.tagged
     for layer in tagged.layers:
-      _check_block(layer)
+      _check_block(layer.name, _per_slice(layer.block, layer.stack))
   if estimation != "empirical" and not tagged.losses:
     raise ValueError(
         f"estimation={estimation!r} needs a registered loss (e.g. "
@@ -124,15 +127,24 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
                      num_examples=count, loss=loss, meta=meta)
 
 
-def _check_block(layer):
-  block = layer.block
+def _per_slice(block, stack):
+  """The block of one slice of a scan-stacked layer: ``block`` itself, or
+  the block inside a wrapper that maps it over the stack (``.block``,
+  ``.n``). The posterior maps over stacks itself."""
+  inner = getattr(block, "block", None)
+  if stack and inner is not None and getattr(block, "n", None) == stack:
+    return inner
+  return block
+
+
+def _check_block(name, block):
   if isinstance(block, kfl_blocks.KroneckerBlock):
     if block.damping_mode != "exact":
-      raise ValueError(f"kfl.laplace: layer {layer.name!r} has a Kronecker "
-                       "block with damping_mode="
-                       f"{block.damping_mode!r}; the posterior needs 'exact'")
+      raise ValueError(f"kfl.laplace: layer {name!r} has a Kronecker block "
+                       f"with damping_mode={block.damping_mode!r}; the "
+                       "posterior needs 'exact'")
   elif not isinstance(block, kfl_blocks.FlatBlock):
-    raise ValueError(f"kfl.laplace: layer {layer.name!r} has a block of type "
+    raise ValueError(f"kfl.laplace: layer {name!r} has a block of type "
                      f"{type(block).__name__}, which the posterior does not "
                      "support")
 
@@ -141,7 +153,8 @@ def _meta(tagged, structure, estimation):
   shapes = tuple(tuple(s) for s in tagged.leaf_shapes)
   layers = tuple(
       P.LayerSlot(name=l.name, kind=l.kind,
-                  block=None if structure == "full" else l.block,
+                  block=(None if structure == "full" else
+                         _per_slice(l.block, l.stack)),
                   leaves=tuple(l.leaves), stack=l.stack,
                   index=P.layer_index(shapes, l.leaves, l.stack))
       for l in tagged.layers)
