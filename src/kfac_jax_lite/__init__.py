@@ -38,3 +38,4 @@ __all__ = [
 ]
 from kfac_jax_lite.health import Health, health
 __all__ += ["Health", "health"]
+from kfac_jax_lite import laplace
