@@ -15,7 +15,7 @@ from one stream, with evaluations at regular points of its training clock.
 * **Target.** The reference family's best final value of each metric
   (Adam's or AdamW's loss at the budget). A run's time to a target is the
   training clock at its first evaluation at or past the target (resolution
-  ``budget / evals``); ``ref t / ours`` divides the reference's time by it.
+  ``budget / evals``); ``ref/ours`` divides the reference's time by it.
 * **Step time.** The median of a run's step times; ``x SGD`` divides it by
   the median of the best SGD-momentum run of the same process.
 
@@ -58,7 +58,7 @@ class Metric(NamedTuple):
 class Candidate(NamedTuple):
   family: str  # Row name, e.g. "Adam".
   settings: dict  # This grid point, printed and saved.
-  style: str  # How a step computes the update (see ``optax_stepper``).
+  style: str  # How a step computes the update (see ``OptaxStepper``).
   build: Callable[[], Any]  # -> a stepper: ``.step(batch) -> loss``, ``.params()``.
 
 
@@ -133,7 +133,7 @@ def muon_or_none():
 # ------------------------------------------------------------ training
 
 def _progress(label, budget, enabled):
-  if not enabled:
+  if not enabled or not sys.stderr.isatty():  # No bars in logs.
     return None
   try:
     from tqdm.auto import tqdm
@@ -318,7 +318,8 @@ def add_common_args(p, *, budget=100.0, evals=50):
                  "'none' writes nothing)")
   p.add_argument("--no-plot", dest="plot", action="store_false")
   p.add_argument("--no-progress", dest="progress", action="store_false",
-                 help="no progress bar (tqdm, when installed)")
+                 help="no progress bar (tqdm, when installed and stderr is "
+                 "a terminal)")
   p.add_argument("--strict", action="store_true",
                  help="raise when a run fails instead of recording it")
   p.add_argument("--platform", default=None,
@@ -386,9 +387,10 @@ def environment(args, data_note, model_note):
         f"{env['host']}; BLAS pools: {env['blas']}")
   print(f"data: {data_note}")
   print(f"model: {model_note}")
-  print(f"budget {args.budget:g} s per run (training clock), {args.evals} "
-        f"evaluations, seed {args.seed}"
-        + (f", at most {args.max_steps} steps" if args.max_steps else ""))
+  if getattr(args, "budget", None):
+    print(f"budget {args.budget:g} s per run (training clock), {args.evals} "
+          f"evaluations, seed {args.seed}"
+          + (f", at most {args.max_steps} steps" if args.max_steps else ""))
   return env
 
 

@@ -1,13 +1,19 @@
-"""Tables, JSON and plots of the time-to-target benchmarks (see ``_harness``)."""
+"""Tables, JSON and plots of the time-to-target benchmarks (see ``_harness``).
+
+    python benchmarks/_report.py results/autoencoder.json [--png FILE]
+
+prints a saved run's tables again (and redraws its plot).
+"""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 
 import numpy as np
 
-from _harness import RESULTS, fmt_settings
+from _harness import RESULTS, Metric, fmt_settings
 
 
 # ----------------------------------------------------------- reporting
@@ -86,7 +92,7 @@ def report(records, metrics, reference, grids, compete=None,
   head = (f"  {'optimizer':<22}{'style':<9}{'settings':<26}{'ms/step':>8}"
           f"{'x SGD':>7}{'first s':>8}{'steps':>7}")
   for m in metrics:
-    head += f"{m.label:>11}{'t->tgt s':>9}{'ref/ours':>9}"
+    head += f"{m.label:>11}{'t->tgt s':>9}{'steps':>6}{'ref/ours':>9}"
   print(head)
   rows = []
   for fam, r in best.items():
@@ -113,7 +119,7 @@ def report(records, metrics, reference, grids, compete=None,
       speedup = (ref_hit[0] / hit[0] if hit and ref_hit and hit[0] > 0
                  else None)
       line += (f"{r['final'][m.key]:>11.4g}"
-               + (f"{hit[0]:>9.1f}" if hit else f"{'never':>9}")
+               + (f"{hit[0]:>9.1f}{hit[1]:>6}" if hit else f"{'never':>9}{'':>6}")
                + (f"{speedup:>8.2f}x" if speedup else f"{'-':>9}"))
       row[m.key] = dict(final=r["final"][m.key],
                         time_to_target_s=hit[0] if hit else None,
@@ -126,10 +132,11 @@ def report(records, metrics, reference, grids, compete=None,
         "value_and_grad + tx.update(..., batch=)")
   print("  *: the best value of a setting is at an end of its grid")
   print(f"  x SGD: median step over {sgd}'s in this process; first s: building"
-        " the optimizer + tracing + compiling + the first step; t->tgt: "
-        "training clock at the first evaluation reaching the target; "
+        " the optimizer + tracing + compiling + the first step; t->tgt, steps:"
+        " training clock and steps at the first evaluation reaching the target; "
         f"ref/ours: {reference}'s time to the target over this row's")
-  return dict(targets=targets, reference=reference, rows=rows)
+  return dict(targets=targets, reference=reference, rows=rows,
+              compete=compete or {})
 
 
 # --------------------------------------------------------------- output
@@ -165,6 +172,7 @@ def plot(path, title, metrics, summary, records):
   matplotlib."""
   try:
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
@@ -186,6 +194,8 @@ def plot(path, title, metrics, summary, records):
         ax.axhline(target, color="gray", ls="--", lw=1, label="target")
       if m.goal == "min":
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
       ax.set_xlabel("steps" if x == "step" else "training seconds")
       ax.set_ylabel(m.label)
       ax.grid(alpha=0.3)
@@ -196,3 +206,29 @@ def plot(path, title, metrics, summary, records):
   fig.savefig(path, dpi=90)
   plt.close(fig)
   return True
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description="Reprint a saved benchmark's tables.")
+  p.add_argument("json")
+  p.add_argument("--png", default=None, help="also redraw the plot here")
+  args = p.parse_args(argv)
+  with open(args.json) as f:
+    doc = json.load(f)
+  env = doc["environment"]
+  print(f"{env['date']}  {env['command']}")
+  print(f"jax {env['jax']}, kfac_jax_lite {env['kfac_jax_lite']}, kfac_jax "
+        f"{env['kfac_jax']}; {env['devices']} on {env['host']}")
+  print(f"data: {env['data']}\nmodel: {env['model']}")
+  metrics = [Metric(**m) for m in doc["metrics"]]
+  old = doc["summary"]
+  compete = old.get("compete", {"K-FAC+SGD tuned": ["K-FAC+SGD defaults"]})
+  summary = report(doc["runs"], metrics, old["reference"], doc["grids"],
+                   compete)
+  if args.png:
+    plot(args.png, doc["benchmark"], metrics, summary, doc["runs"])
+  return summary
+
+
+if __name__ == "__main__":
+  main()

@@ -91,7 +91,7 @@ def families(params, example, args):
 
   quick = args.quick
   out = [
-      optax_family("adam", "Adam", {"lr": [1e-3, 3e-3] if quick else
+      optax_family("adam", "Adam", {"lr": [3e-3] if quick else
                                     [3e-4, 1e-3, 3e-3]},
                    lambda lr: optax.adam(lr)),
       optax_family("sgd", "SGD-momentum", {"lr": [3e-3] if quick else
