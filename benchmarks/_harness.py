@@ -187,7 +187,7 @@ def train(candidate: Candidate, batches, evaluate, budget, evals, *,
       first_step_s=first_s,
       median_step_s=statistics.median(times) if times else float("nan"),
       diverged=bad, final=final, curve=curve,
-      train_losses=_thin(losses, 2000))
+      train_losses=_thin(losses, 500))
   print(f"  {label:<46} {steps:>6} steps in {clock:5.1f} s, final "
         f"{primary} {final[primary]:.4g}{' (diverged)' if bad else ''}; "
         f"first step {first_s:.1f} s, median {1e3 * record['median_step_s']:.1f}"

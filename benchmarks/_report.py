@@ -153,12 +153,23 @@ def save(name, args, env, grids, metrics, summary, records):
              metrics=[m._asdict() for m in metrics], summary=summary,
              runs=records)
   with open(stem + ".json", "w") as f:
-    json.dump(doc, f, indent=1, default=_json_default)
+    json.dump(_rounded(doc), f, indent=1, default=_json_default)
   print(f"wrote {stem}.json", end="")
   if args.plot and plot(stem + ".png", name, metrics, summary, records):
     print(f" and {stem}.png", end="")
   print()
   return stem
+
+
+def _rounded(obj, digits=6):
+  """``obj`` with every float rounded to ``digits`` significant digits."""
+  if isinstance(obj, float):
+    return float(f"{obj:.{digits}g}") if math.isfinite(obj) else obj
+  if isinstance(obj, dict):
+    return {k: _rounded(v, digits) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [_rounded(v, digits) for v in obj]
+  return obj
 
 
 def _json_default(x):

@@ -167,9 +167,13 @@ def main(argv=None):
   args = H.finish_args(p.parse_args(argv))
   batch_size = args.batch or (64 if args.quick else 256)
   eval_size = args.eval_size or (256 if args.quick else 2000)
-  data, note = _data.images(args.data or ("digits" if args.quick else "mnist"),
-                            args.mnist, not args.no_download,
-                            fallback=args.quick)
+  try:
+    data, note = _data.images(
+        args.data or ("digits" if args.quick else "mnist"), args.mnist,
+        not args.no_download, fallback=args.quick)
+  except _data.DataUnavailable as e:
+    raise SystemExit(f"{e}\n(--mnist PATH reads a local copy; --data digits "
+                     "runs on scikit-learn's digits instead)")
   widths = QUICK if args.quick else FULL
   rng = np.random.default_rng(args.seed)
   sub = rng.permutation(len(data.train_x))[:eval_size]
