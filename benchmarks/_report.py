@@ -199,11 +199,18 @@ def plot(path, title, metrics, summary, records):
       for fam, r in best.items():
         xs = [p[x] for p in r["curve"]]
         ys = [p[m.key] for p in r["curve"]]
-        ax.plot(xs, ys, marker=".", label=f"{fam} ({fmt_settings(r['settings'])})")
+        label = f"{fam} ({fmt_settings(r['settings'])})"
+        ax.plot(xs, ys, marker=".", ms=3,
+                label=label + (" diverged" if r["diverged"] else ""))
       target = summary["targets"].get(m.key)
       if target is not None:
         ax.axhline(target, color="gray", ls="--", lw=1, label="target")
-      if m.goal == "min":
+      if m.goal == "min":  # Up to 1.5x the initial value: divergence is off.
+        values = [p[m.key] for r in best.values() for p in r["curve"]
+                  if math.isfinite(p[m.key])]
+        start = max(r["curve"][0][m.key] for r in best.values())
+        if values and math.isfinite(start) and start > 0 and min(values) > 0:
+          ax.set_ylim(0.9 * min(values), 1.5 * start)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
