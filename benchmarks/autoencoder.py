@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -176,6 +177,8 @@ class KfacJaxStepper:
   """``kfac_jax.Optimizer`` with adaptive lr, momentum and damping."""
 
   def __init__(self, kfac_jax, params, settings, seed):
+    # kfac-jax's burn-in donates a batch-shaped buffer XLA cannot reuse.
+    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
     self._opt = kfac_jax.Optimizer(
         value_and_grad_func=jax.value_and_grad(kfac_jax_loss), l2_reg=0.0,
         use_adaptive_learning_rate=True, use_adaptive_momentum=True,
