@@ -1,0 +1,405 @@
+"""Shared machinery of the time-to-target benchmarks.
+
+A benchmark is a list of :class:`Candidate` runs (an optimizer family at
+one grid point), each trained for the same wall-clock budget on batches
+from one stream, with evaluations at regular points of its training clock.
+
+* **Clock.** The training clock of a run sums the time of its steps, each
+  blocked on (``jax.block_until_ready``), and nothing else: evaluations
+  and the host-side batch bookkeeping are outside it. It starts after the
+  first step, whose time (building the optimizer, tracing, compiling and
+  running once) is reported separately as ``first step s``; that step
+  still counts as a training step.
+* **Best of a grid.** Per family, the run with the best final value of
+  the primary metric (a run whose loss turned non-finite ranks last).
+* **Target.** The reference family's best final value of each metric
+  (Adam's or AdamW's loss at the budget). A run's time to a target is the
+  training clock at its first evaluation at or past the target (resolution
+  ``budget / evals``); ``ref/ours`` divides the reference's time by it.
+* **Step time.** The median of a run's step times; ``x SGD`` divides it by
+  the median of the best SGD-momentum run of the same process.
+
+The runs go one after another (not interleaved), so on a shared machine
+their step times drift with the load: compare ratios within one run.
+"""
+from __future__ import annotations
+
+import datetime
+import itertools
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+try:
+  import kfac_jax_lite as kfl
+except ImportError:  # Not installed: run from a checkout (src layout).
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                  os.pardir, "src"))
+  import kfac_jax_lite as kfl
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+class Metric(NamedTuple):
+  key: str  # Key in the evaluation dict.
+  label: str  # Column title.
+  goal: str  # "min" or "max".
+
+
+class Candidate(NamedTuple):
+  family: str  # Row name, e.g. "Adam".
+  settings: dict  # This grid point, printed and saved.
+  style: str  # How a step computes the update (see ``OptaxStepper``).
+  build: Callable[[], Any]  # -> a stepper: ``.step(batch) -> loss``, ``.params()``.
+
+
+# ------------------------------------------------------------- steppers
+
+class OptaxStepper:
+  """Jitted ``(params, opt_state, key)`` training step of an optax ``tx``.
+
+  ``style``:
+
+  * ``"grad"`` — ``jax.value_and_grad(loss_fn)``, ``tx.update(g, s, p)``;
+  * ``"batch="`` — the same, then ``tx.update(g, s, p, batch=batch)``
+    (K-FAC's statistics take their own forward pass);
+  * ``"1-pass"`` — ``est = kfl.value_grad_and_stats(loss_fn, ...)(p, batch,
+    key)``, then ``tx.update(est.grads, s, p, stats=est.stats)`` (the
+    gradient and the statistics share one forward pass).
+  """
+
+  def __init__(self, loss_fn, params, tx, style, example_batch, seed=0):
+    if style == "1-pass":
+      est_fn = kfl.value_grad_and_stats(loss_fn, params, example_batch)
+
+    def step(carry, batch):
+      p, s, key = carry
+      key, sub = jax.random.split(key)
+      if style == "1-pass":
+        est = est_fn(p, batch, sub)
+        loss, g = est.loss, est.grads
+        u, s = tx.update(g, s, p, stats=est.stats)
+      else:
+        loss, g = jax.value_and_grad(loss_fn)(p, batch)
+        u, s = (tx.update(g, s, p, batch=batch) if style == "batch="
+                else tx.update(g, s, p))
+      return (optax.apply_updates(p, u), s, key), loss
+
+    if style not in ("grad", "batch=", "1-pass"):
+      raise ValueError(f"unknown style {style!r}")
+    self._step = jax.jit(step, donate_argnums=0)
+    # The carry is donated: every leaf gets its own buffer (an optimizer
+    # state may hold one array twice), and the caller's params stay valid.
+    carry = (params, tx.init(params), jax.random.PRNGKey(seed))
+    self._carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
+
+  def step(self, batch):
+    self._carry, loss = self._step(self._carry, batch)
+    return jax.block_until_ready(loss)
+
+  def params(self):
+    return self._carry[0]
+
+
+def optax_candidate(family, settings, style, make_tx, loss_fn, params,
+                    example_batch, seed=0):
+  """A :class:`Candidate` training ``make_tx()`` with :class:`OptaxStepper`."""
+  return Candidate(family, settings, style, lambda: OptaxStepper(
+      loss_fn, params, make_tx(), style, example_batch, seed))
+
+
+def grid(**values) -> list[dict]:
+  """The cartesian product of the given lists, as a list of dicts."""
+  keys = list(values)
+  return [dict(zip(keys, combo)) for combo in itertools.product(
+      *(values[k] for k in keys))]
+
+
+def muon_or_none():
+  """``optax.contrib.muon``, or None when this optax has none."""
+  contrib = getattr(optax, "contrib", None)
+  return getattr(contrib, "muon", None)
+
+
+# ------------------------------------------------------------ training
+
+def _progress(label, budget, enabled):
+  if not enabled or not sys.stderr.isatty():  # No bars in logs.
+    return None
+  try:
+    from tqdm.auto import tqdm
+  except ImportError:
+    return None
+  return tqdm(total=round(budget, 1), desc=label, unit="s", leave=False,
+              bar_format="{desc}: {bar} {n:.0f}/{total:.0f}s{postfix}")
+
+
+def train(candidate: Candidate, batches, evaluate, budget, evals, *,
+          max_steps=None, progress=True, primary="loss"):
+  """Trains one candidate for ``budget`` seconds of its clock; its record."""
+  label = f"{candidate.family} {fmt_settings(candidate.settings)}"
+  t0 = time.perf_counter()
+  stepper = candidate.build()
+  setup_s = time.perf_counter() - t0
+  curve = [dict(step=0, time=0.0, **evaluate(stepper.params()))]
+  t0 = time.perf_counter()
+  loss = float(stepper.step(next(batches)))
+  first_s = setup_s + time.perf_counter() - t0
+  steps, clock, times, losses = 1, 0.0, [], [loss]
+  every = budget / max(1, evals)
+  next_eval = every
+  bar = _progress(label, budget, progress)
+  diverged = not math.isfinite(loss)
+  while (not diverged and clock < budget
+         and (max_steps is None or steps < max_steps)):
+    batch = next(batches)
+    t = time.perf_counter()
+    loss = float(stepper.step(batch))
+    dt = time.perf_counter() - t
+    clock, steps = clock + dt, steps + 1
+    times.append(dt)
+    losses.append(loss)
+    diverged = not math.isfinite(loss)
+    if bar is not None:
+      bar.update(dt)
+      if steps % 10 == 0:
+        bar.set_postfix_str(f" step {steps}, batch {primary} {loss:.4g}")
+    if next_eval <= clock < budget:
+      curve.append(dict(step=steps, time=clock, **evaluate(stepper.params())))
+      next_eval += every
+  if bar is not None:
+    bar.close()
+  curve.append(dict(step=steps, time=clock, **evaluate(stepper.params())))
+  final = curve[-1]
+  bad = diverged or not all(math.isfinite(v) for v in final.values())
+  record = dict(
+      family=candidate.family, settings=candidate.settings,
+      style=candidate.style, steps=steps, clock_s=clock, setup_s=setup_s,
+      first_step_s=first_s,
+      median_step_s=statistics.median(times) if times else float("nan"),
+      diverged=bad, final=final, curve=curve,
+      train_losses=_thin(losses, 500))
+  print(f"  {label:<46} {steps:>6} steps in {clock:5.1f} s, final "
+        f"{primary} {final[primary]:.4g}{' (diverged)' if bad else ''}; "
+        f"first step {first_s:.1f} s, median {1e3 * record['median_step_s']:.1f}"
+        " ms", flush=True)
+  return record
+
+
+def _thin(values, n):
+  if len(values) <= n:
+    return values
+  idx = np.linspace(0, len(values) - 1, n).round().astype(int)
+  return [values[i] for i in idx]
+
+
+def float_dict(evaluate):
+  """``evaluate(params) -> dict of arrays`` as a dict of Python floats."""
+  return lambda params: {k: float(v) for k, v in evaluate(params).items()}
+
+
+def batch_stream(make_batch, num_examples, batch_size, seed):
+  """Yields ``make_batch(indices)`` over seeded epoch permutations."""
+  rng = np.random.default_rng(seed)
+  while True:
+    perm = rng.permutation(num_examples)
+    for i in range(0, num_examples - batch_size + 1, batch_size):
+      yield make_batch(perm[i:i + batch_size].astype(np.int32))
+
+
+def run_all(candidates, batches_fn, evaluate, args, primary):
+  """Trains every candidate, each on a fresh, identically seeded stream.
+
+  A candidate that raises is recorded as failed (and the others still run)
+  unless ``args.strict``.
+  """
+  records = []
+  print(f"Training {len(candidates)} runs for {args.budget:g} s each "
+        f"(training clock; max steps {args.max_steps}), {args.evals} "
+        "evaluations per run:", flush=True)
+  for c in candidates:
+    try:
+      records.append(train(c, batches_fn(), float_dict(evaluate), args.budget,
+                           args.evals, max_steps=args.max_steps,
+                           progress=args.progress, primary=primary))
+    except Exception as e:  # pylint: disable=broad-except
+      if args.strict:
+        raise
+      why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+      print(f"  {c.family} {fmt_settings(c.settings)}: FAILED: {why}",
+            flush=True)
+      records.append(dict(family=c.family, settings=c.settings, style=c.style,
+                          failed=why, diverged=True))
+  return records
+
+
+# ------------------------------------------------------------ families
+
+class Family(NamedTuple):
+  """An optimizer with its grid; ``make(settings) -> Candidate``."""
+
+  id: str  # Short name for --only / --set.
+  name: str
+  grid: dict  # Setting -> list of values.
+  make: Callable[[dict], Candidate]
+  note: str = ""
+
+
+def _parse_value(text):
+  if text.lower() == "none":
+    return None
+  for cast in (int, float):
+    try:
+      return cast(text)
+    except ValueError:
+      pass
+  return text
+
+
+def candidates(families, args):
+  """The candidates of the chosen families, grids overridden by --set."""
+  by_id = {f.id: f for f in families}
+  grids = {f.id: dict(f.grid) for f in families}
+  for item in args.set or ():
+    try:
+      lhs, values = item.split("=", 1)
+      fam, key = lhs.split(".", 1)
+    except ValueError:
+      raise SystemExit(f"--set {item!r}: expected FAMILY.KEY=V1,V2,...")
+    if fam not in by_id:
+      raise SystemExit(f"--set {item!r}: unknown family {fam!r}; one of "
+                       f"{sorted(by_id)}")
+    grids[fam][key] = [_parse_value(v) for v in values.split(",")]
+  chosen = [f for f in families if args.only is None or f.id in args.only]
+  unknown = set(args.only or ()) - set(by_id)
+  if unknown:
+    raise SystemExit(f"--only: unknown families {sorted(unknown)}; one of "
+                     f"{sorted(by_id)}")
+  out = []
+  for f in chosen:
+    for settings in grid(**grids[f.id]):
+      out.append(f.make(settings))
+  return out, {f.name: grids[f.id] for f in chosen}
+
+
+def fmt_settings(settings):
+  return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                  for k, v in settings.items()) or "defaults"
+
+
+# ---------------------------------------------------------- environment
+
+def add_common_args(p, *, budget=100.0, evals=50):
+  p.add_argument("--quick", action="store_true",
+                 help="tiny sizes and budgets: a smoke run of a few seconds")
+  p.add_argument("--budget", type=float, default=None,
+                 help=f"training-clock seconds per run (default {budget:g}; "
+                 "quick: 1)")
+  p.add_argument("--evals", type=int, default=None,
+                 help=f"evaluations per run (default {evals}; quick: 3)")
+  p.add_argument("--max-steps", type=int, default=None,
+                 help="also stop a run after this many steps (quick: 8)")
+  p.add_argument("--only", type=lambda s: s.split(","), default=None,
+                 help="comma-separated family ids to run (default: all)")
+  p.add_argument("--set", action="append", metavar="FAMILY.KEY=V1,V2",
+                 help="override one grid, e.g. --set adam.lr=1e-3,3e-3")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default=None,
+                 help=f"directory for the JSON and PNG (default {RESULTS}; "
+                 "'none' writes nothing)")
+  p.add_argument("--no-plot", dest="plot", action="store_false")
+  p.add_argument("--no-progress", dest="progress", action="store_false",
+                 help="no progress bar (tqdm, when installed and stderr is "
+                 "a terminal)")
+  p.add_argument("--strict", action="store_true",
+                 help="raise when a run fails instead of recording it")
+  p.add_argument("--platform", default=None,
+                 help="JAX platform (cpu, gpu, tpu); default: JAX's choice")
+  p.add_argument("--blas-threads", type=int, default=0,
+                 help="cap the BLAS/LAPACK pools behind JAX's CPU linalg "
+                 "(threadpoolctl); default 0 leaves them as a user has them")
+  p.set_defaults(_budget=budget, _evals=evals)
+
+
+def finish_args(args):
+  """Fills the quick/full defaults and applies --platform/--blas-threads."""
+  if args.budget is None:
+    args.budget = 1.0 if args.quick else args._budget
+  if args.evals is None:
+    args.evals = 3 if args.quick else args._evals
+  if args.max_steps is None and args.quick:
+    args.max_steps = 8
+  if args.platform:
+    jax.config.update("jax_platforms", args.platform)
+  args.blas = _blas_pools(args.blas_threads)
+  return args
+
+
+def _blas_pools(n):
+  try:
+    import scipy.linalg.cython_lapack  # noqa: F401  (loads scipy's OpenBLAS)
+    from threadpoolctl import threadpool_info, threadpool_limits
+  except ImportError as e:
+    return f"unknown ({e})"
+  if n > 0:
+    threadpool_limits(n, user_api="blas")
+  pools = [f"{i['internal_api']} {i.get('version')}: {i['num_threads']} threads"
+           for i in threadpool_info() if i["user_api"] == "blas"]
+  return (", ".join(pools) or "none loaded") + (
+      f" (capped with --blas-threads {n})" if n > 0 else " (as found)")
+
+
+def _version(module):
+  try:
+    mod = __import__(module)
+    return getattr(mod, "__version__", "?")
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def environment(args, data_note, model_note):
+  """Prints and returns the device, versions and settings of this run."""
+  import jaxlib.version
+  env = dict(
+      date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+      command=" ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+      python=platform.python_version(), jax=jax.__version__,
+      jaxlib=jaxlib.version.__version__, optax=optax.__version__,
+      numpy=np.__version__, kfac_jax_lite=kfl.__version__,
+      kfac_jax=_version("kfac_jax"), backend=jax.default_backend(),
+      devices=[str(d) for d in jax.devices()],
+      host=f"{platform.machine()}, {os.cpu_count()} CPUs", blas=args.blas,
+      data=data_note, model=model_note)
+  print(f"{env['date']}  {env['command']}")
+  print(f"jax {env['jax']} (jaxlib {env['jaxlib']}), optax {env['optax']}, "
+        f"numpy {env['numpy']}, kfac_jax_lite {env['kfac_jax_lite']}, "
+        f"kfac_jax {env['kfac_jax'] or 'not importable'}, python {env['python']}")
+  print(f"devices {env['devices']} (backend {env['backend']}); host "
+        f"{env['host']}; BLAS pools: {env['blas']}")
+  print(f"data: {data_note}")
+  print(f"model: {model_note}")
+  if getattr(args, "budget", None):
+    print(f"budget {args.budget:g} s per run (training clock), {args.evals} "
+          f"evaluations, seed {args.seed}"
+          + (f", at most {args.max_steps} steps" if args.max_steps else ""))
+  return env
+
+
+def print_grids(grids, families):
+  print("Grids (best final value per optimizer is reported):")
+  notes = {f.name: f.note for f in families}
+  for name, g in grids.items():
+    grid_s = ", ".join(f"{k} in {v}" for k, v in g.items()) or "no grid"
+    note = f"  [{notes[name]}]" if notes.get(name) else ""
+    print(f"  {name:<22} {grid_s}{note}")
+
+

