@@ -123,6 +123,9 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
   _require(0 <= max_momentum < 1,
            f"max_momentum must be in [0, 1), got {max_momentum!r}")
   interval = damping_adaptation_interval
+  # No KL clipping by default: the quadratic model chooses the step length
+  # (α, μ), so rescaling the direction would only rescale the reported α.
+  kfac_options = {"norm_constraint": None, **kfac_options}
   inner = transform.kfac(loss_fn, example_batch, has_aux=has_aux,
                          damping=initial_damping, **kfac_options)
   omega = damping_decay ** interval
