@@ -69,9 +69,6 @@ CASES = {
                                ((rand(15, (3, 2, 2)), rand(16, (3, 3))),)),
     "ekfac_dense": lambda: (kfl.blocks.eigen_corrected(dense_case("pi")[0]),
                             dense_case("pi")[1]),
-    "ekfac_dense_shared": lambda: (
-        kfl.blocks.EkfacDense((2, 3), (1,), weight_sharing="reduce"),
-        (rand(17, (4, 2, 3)), rand(18, (4, 2, 2)))),
     "ekfac_conv": lambda: (kfl.blocks.eigen_corrected(conv_case("pi")[0]),
                            conv_case("pi")[1]),
 }
