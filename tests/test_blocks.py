@@ -67,12 +67,28 @@ CASES = {
                      ((rand(13, (9, 2, 2)), rand(14, (9, 3))),)),
     "naive_diagonal": lambda: (kfl.NaiveDiagonal(((2, 2), (3,))),
                                ((rand(15, (3, 2, 2)), rand(16, (3, 3))),)),
+    "ekfac_dense": lambda: (kfl.blocks.eigen_corrected(dense_case("pi")[0]),
+                            dense_case("pi")[1]),
+    "ekfac_conv": lambda: (kfl.blocks.eigen_corrected(conv_case("pi")[0]),
+                           conv_case("pi")[1]),
 }
+
+
+def stats_of(block, data, state):
+  """Fresh statistics; an EKFAC block measures them in its state's basis."""
+  if isinstance(block, kfl.blocks.EigenCorrected):
+    return block.compute_stats(*data, state=state)
+  return block.compute_stats(*data)
 
 
 def make(name, dtype):
   block, data = CASES[name]()
-  state = block.update(block.init(dtype), block.compute_stats(*data), 0.9)
+  state = block.init(dtype)
+  state = block.update(state, stats_of(block, data, state), 0.9)
+  if isinstance(block, kfl.blocks.EigenCorrected):
+    # An eigenbasis (refresh), then scalings measured in it.
+    state = block.refresh(state, 0.0, step=0)
+    state = block.update(state, stats_of(block, data, state), 0.9)
   return block, state
 
 
@@ -177,7 +193,7 @@ def test_dense_block_powers_over_shapes(d_in, d_out, bias, mode, damping, exp,
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_non_finite_statistics_leave_block_state_unchanged(name):
   block, state = make(name, jnp.float32)
-  stats = block.compute_stats(*CASES[name]()[1])
+  stats = stats_of(block, CASES[name]()[1], state)
   leaves, treedef = jax.tree.flatten(stats)
   leaves[-1] = leaves[-1].at[(0,) * leaves[-1].ndim].set(jnp.nan)
   after = block.update(state, jax.tree.unflatten(treedef, leaves), 0.9)

@@ -299,16 +299,18 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
   (``fn.tagged`` holds them and their blocks, chosen by ``blocks``,
   ``weight_sharing`` and ``damping_mode`` as in ``kfl.kfac``); ``fn`` is
   pure and jittable. The loss and gradient equal
-  ``jax.value_and_grad(loss_fn)``'s.
+  ``jax.value_and_grad(loss_fn)``'s. ``fn(params, batch, key, states=None)``:
+  ``states`` (a ``kfl.kfac`` state's ``blocks``) is needed by blocks whose
+  statistics depend on their state (``"ekfac"``).
   """
   check_estimation(estimation, num_samples)
   tagged = tagging.find_layers(
       loss_fn, params, batch, has_aux=has_aux, exclude=exclude).with_blocks(
           blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
 
-  def fn(params, batch, key):
+  def fn(params, batch, key, states=None):
     return estimate(tagged, params, batch, key, estimation=estimation,
-                    num_samples=num_samples)
+                    num_samples=num_samples, states=states)
 
   fn.tagged = tagged
   return fn

@@ -235,7 +235,9 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
   ``loss_fn(params, batch)`` returns the loss (``(loss, aux)`` with
   ``has_aux``); ``example_batch`` (arrays or ``jax.ShapeDtypeStruct``s) is
   only traced to find the layers. ``blocks``/``exclude`` override the
-  detected blocks per path or kind (see ``kfl.find_layers``).
+  detected blocks per path or kind (see ``kfl.find_layers``);
+  ``blocks={"dense": "ekfac", "conv": "ekfac"}`` selects eigenvalue-corrected
+  K-FAC (``kfl.blocks.EkfacDense``/``EkfacConv``) for those layers.
   ``update(grads, state, params, *, batch=None, stats=None, damping=None)``;
   a ``damping`` given there overrides the configured one for that step.
   ``inverse_method``: how each refresh computes the damped inverses

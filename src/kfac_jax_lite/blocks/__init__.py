@@ -10,14 +10,17 @@ from kfac_jax_lite.blocks.base import (
 from kfac_jax_lite.blocks.conv import KroneckerConv
 from kfac_jax_lite.blocks.dense import KroneckerDense
 from kfac_jax_lite.blocks.diagonal import DiagonalConv, DiagonalDense
+from kfac_jax_lite.blocks.ekfac import (
+    EigenCorrected, EkfacConv, EkfacDense, EkfacState, eigen_corrected)
 from kfac_jax_lite.blocks.embedding import KroneckerEmbedding
 from kfac_jax_lite.blocks.full import Full, NaiveDiagonal
 from kfac_jax_lite.blocks.scale_shift import ScaleAndShift
 from kfac_jax_lite.blocks.stacked import Stacked
 
 __all__ = [
-    "ACTIVATIONS", "Block", "DiagonalConv", "DiagonalDense", "FlatBlock",
+    "ACTIVATIONS", "Block", "DiagonalConv", "DiagonalDense", "EigenCorrected",
+    "EkfacConv", "EkfacDense", "EkfacState", "FlatBlock",
     "Full", "GRADIENTS", "KroneckerBlock", "KroneckerConv", "KroneckerDense",
     "KroneckerEmbedding", "KroneckerState", "LayerData", "NaiveDiagonal",
-    "ScaleAndShift", "Stacked", "check_block", "state_bytes",
+    "ScaleAndShift", "Stacked", "check_block", "eigen_corrected", "state_bytes",
 ]

@@ -9,7 +9,7 @@ path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
 
 * ``"kronecker"`` (the default for dense/conv/embedding), ``"diagonal"``,
   ``"full"``, ``"naive_diagonal"`` (what each means per kind: the kind's
-  ``block_for``);
+  ``block_for``); ``"ekfac"`` (dense and conv: ``blocks.eigen_corrected``);
 * a ``dict`` of keyword arguments for the default block (e.g.
   ``{"weight_sharing": "reduce"}``);
 * a block instance (used as is; its ``param_shapes`` must match);
@@ -28,7 +28,7 @@ import fnmatch
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite.tagging._kinds import KINDS
 
-CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal")
+CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal", "ekfac")
 
 
 def find_override(overrides, paths, kind):
@@ -68,7 +68,8 @@ def _block(layer, override, damping_mode, weight_sharing):
     if override not in CHOICES:
       raise ValueError(f"unknown block choice {override!r}; expected one of "
                        f"{CHOICES}, a dict of options, a block or a callable")
-    block = spec.block_for(override, default)
+    block = (B.eigen_corrected(default, where) if override == "ekfac"
+             else spec.block_for(override, default))
   else:
     if callable(override) and not hasattr(override, "param_shapes"):
       block = override(dataclasses.replace(layer, block=default))
