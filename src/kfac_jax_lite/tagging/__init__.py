@@ -25,8 +25,13 @@ Algorithm
      the ``(x - μ) · (rsqrt(σ²+ε) · scale) + bias`` form of Flax and Haiku
      norms (the scale's input is then ``(x - μ) · rsqrt(σ²+ε)``).
 
-   Any other use of a leaf (an unmatched primitive, a reshape that merges
-   axes, a scan carry, ...) is recorded with its reason.
+   A function of one leaf alone that is added to the loss as a scalar
+   (weight decay ``c·Σ‖w‖²``, ``optax.l2_loss``, ``jnp.vdot(w, w)``, an L1
+   term) is a *penalty* (``_penalties``), not a use: the leaf keeps its
+   layer block and ``describe`` reports the penalty (with the curvature
+   ``2c·I`` of a quadratic one, left out of the block). Any other use of a
+   leaf (an unmatched primitive, a reshape that merges axes, a scan carry,
+   a penalty added into activations, ...) is recorded with its reason.
 3. Uses are grouped by the leaves they share (``_layers``). One group is one
    layer of the kind that takes its uses: each kind is one record,
    ``_kinds/<kind>.py`` (its grouping, default block, data layout and
@@ -72,8 +77,6 @@ Unsupported (fallback with the reason)
 * a bias added after only some uses, an embedding gathered along its
   second axis, layers whose example axis cannot be identified (assumed:
   the first non-feature axis of the layer input, sized like the batch);
-* regularisers on parameters inside the loss (e.g. ``sum(W**2)``) count as
-  an unmatched use: pass weight decay through optax instead;
 * ``shard_map``/``pmap`` and other primitives with inner jaxprs.
 
 A custom_jvp/custom_vjp function that contains a layer is replaced by

@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 from jax import lax
 
+from kfac_jax_lite.tagging import _penalties
 from kfac_jax_lite.tagging import _views
+from kfac_jax_lite.tagging._penalties import Derived, Penalty, Tail
 from kfac_jax_lite.tagging._views import View
 
 CALL_PRIMS = {  # primitive name -> param holding the (closed) jaxpr
@@ -71,9 +73,16 @@ class Analysis:
   def __init__(self):
     self.uses: list[Use] = []
     self.opaque: list[Opaque] = []
+    self.penalties: list[Penalty] = []
 
   # --------------------------------------------------------------- helpers
   def _opaque(self, view, reason, where):
+    """Record an unmatched use of ``view``'s leaf (a ``Tail``: of the
+    leaves of its penalties)."""
+    if isinstance(view, Tail):
+      for pid, _ in view.terms:
+        self._opaque(self.penalties[pid], reason, where)
+      return
     self.opaque.append(Opaque(view.leaf, f"{reason} (in {where})"
                               if where else reason))
 
@@ -105,12 +114,18 @@ class Analysis:
         continue
       name = eqn.primitive.name
       key = prefix + (i,)
+      tracked = any(_penalties.is_tracked(v) for v in views)
       if (name in _views.IDENTITY_PRIMS or name in _views.LAYOUT_PRIMS) and (
           len(eqn.invars) == 1 or all(v is None for v in views[1:])):
-        new = _views.apply_layout(views[0], eqn)
-        if new is None:
-          self._opaque(views[0], f"reshaped by `{name}` before use", where)
+        if tracked:
+          new = _penalties.layout(views[0], eqn)
+          if new is None:
+            self._opaque(views[0], "a penalty broadcast into the model", where)
         else:
+          new = _views.apply_layout(views[0], eqn)
+          if new is None:  # Not a layer input; maybe a penalty's.
+            new = _penalties.as_derived(views[0], f"reshaped by `{name}`")
+        if new is not None:
           env[eqn.outvars[0]] = new
       elif inner_jaxpr(eqn) is not None:
         inner, _ = inner_jaxpr(eqn)
@@ -124,20 +139,82 @@ class Analysis:
         for ov, view in zip(eqn.outvars, outs):
           if view is not None:
             env[ov] = view
-      elif name == "scan":
-        self._scan(eqn, views, key, ctx)
-      elif name == "cond":
-        sub = f"{where}/cond" if where else "cond"
-        for b, br in enumerate(eqn.params["branches"]):
-          self.walk(br.jaxpr, views[1:], key + (b,), levels, sub, in_while)
-      elif name == "while":
-        self._while(eqn, views, key, ctx)
+      elif name in ("scan", "cond", "while"):
+        views = [self._untracked(v, name, where) for v in views]
+        if all(v is None for v in views):
+          continue
+        if name == "scan":
+          self._scan(eqn, views, key, ctx)
+        elif name == "while":
+          self._while(eqn, views, key, ctx)
+        else:
+          sub = f"{where}/cond" if where else "cond"
+          for b, br in enumerate(eqn.params["branches"]):
+            self.walk(br.jaxpr, views[1:], key + (b,), levels, sub, in_while)
+      elif tracked or _penalties.starts(eqn, views):
+        self._tracked(eqn, views, ctx)
       else:
         pending.append(i)
     for i in pending:
       if i not in ctx["claimed"]:
         self._classify(i, ctx)
-    return [env.get(v) if _is_var(v) else None for v in jaxpr.outvars]
+    outs = [env.get(v) if _is_var(v) else None for v in jaxpr.outvars]
+    if not prefix and outs and isinstance(outs[0], Tail):
+      self._loss_scales(outs[0])
+    return outs
+
+  # ------------------------------------------------------------- penalties
+  def _untracked(self, value, name, where):
+    """``value`` if a ``View``; a penalty value entering ``name`` (a scan,
+    cond or while) is reported as an unmatched use."""
+    if _penalties.is_tracked(value):
+      self._opaque(value, f"{getattr(value, 'how', 'a penalty')}, then "
+                   f"passed to `{name}`", where)
+      return None
+    return value
+
+  def _tracked(self, eqn, values, ctx):
+    """An equation on values of one leaf alone, or on penalties (see
+    ``_penalties``): its output's ``Derived``/``Tail``, or unmatched uses
+    when the values feed the model."""
+    env, where, name = ctx["env"], ctx["where"], eqn.primitive.name
+    if not any(isinstance(v, Tail) for v in values) and _penalties.starts(
+        eqn, values):
+      env[eqn.outvars[0]] = _penalties.step(eqn, values)
+      return
+    scalar_out = not eqn.outvars[0].aval.shape
+    vals = list(values)
+    for j, (var, v) in enumerate(zip(eqn.invars, values)):
+      if isinstance(v, Derived) and scalar_out and not var.aval.shape:
+        pen = Penalty(len(self.penalties), v.leaf,
+                      v.coef if v.form == "ssq" else None, v.how)
+        self.penalties.append(pen)
+        k = 1.0 if name in ("add", "add_any", "sub") else None
+        vals[j] = Tail(((pen.pid, k),))   # tail_step applies the sign
+      elif isinstance(v, (Derived, View)):
+        how = v.how if isinstance(v, Derived) else "combined with a penalty"
+        self._opaque(v, f"{how}, then `{name}`", where)
+        vals[j] = None
+    if any(isinstance(v, Tail) for v in vals):
+      new = vals
+      out = _penalties.tail_step(eqn, new)
+      if out is None:
+        for v in new:
+          if isinstance(v, Tail):
+            self._opaque(v, "a penalty that feeds the model (a function of "
+                         "the parameter alone, combined with activations)",
+                         where)
+      else:
+        env[eqn.outvars[0]] = out
+
+  def _loss_scales(self, tail):
+    """Each penalty's ``∂L/∂P`` from the loss output's ``Tail``."""
+    scales = {}
+    for pid, k in tail.terms:
+      old = scales.get(pid, 0.0)
+      scales[pid] = None if k is None or old is None else old + k
+    for pid, k in scales.items():
+      self.penalties[pid].scale = k
 
   def _scan(self, eqn, views, key, ctx):
     p = eqn.params
@@ -227,7 +304,7 @@ class Analysis:
       if len(other) != 1 or not _is_var(other[0]):
         continue
       bview = ctx["env"].get(other[0])
-      if bview is None:
+      if not isinstance(bview, View):
         continue
       shape = tuple(eqn.outvars[0].aval.shape)
       if shape != tuple(v.aval.shape):
@@ -432,7 +509,7 @@ class Analysis:
       e3 = ctx["jaxpr"].eqns[j]
       w = [v for v in e3.invars if v is not y]
       hv = ctx["env"].get(w[0]) if len(w) == 1 and _is_var(w[0]) else None
-      if (e3.primitive.name == "add" and hv is not None and hv.leaf != sv.leaf
+      if (e3.primitive.name == "add" and isinstance(hv, View) and hv.leaf != sv.leaf
           and hv.stacked == sv.stacked
           and tuple(e3.outvars[0].aval.shape) == shape
           and hv.nonunit(shape) == nonunit and hv.covers(shape)):
@@ -460,11 +537,11 @@ class Analysis:
 
 
 def analyse(jaxpr, leaf_shapes):
-  """``(uses, opaque)`` of ``jaxpr`` (a core.Jaxpr) whose first invars are
+  """``(uses, opaque, penalties)`` of ``jaxpr`` (a core.Jaxpr) whose first invars are
   the parameter leaves, of shapes ``leaf_shapes``."""
   an = Analysis()
   in_views = [None] * len(jaxpr.invars)
   for k, shape in enumerate(leaf_shapes):
     in_views[k] = View(k, tuple(range(len(shape))), tuple(shape))
   an.walk(jaxpr, in_views)
-  return an.uses, an.opaque
+  return an.uses, an.opaque, an.penalties

@@ -31,7 +31,10 @@ class Layer:
   ``Stacked`` one. ``uses``: how many times the parameters are applied
   (scan steps counted once per equation). ``use_ids``: the graph walk's
   uses, in the spec's order. ``block``: the curvature block, None until
-  ``make_blocks`` chose it (``TaggedLoss.with_blocks``).
+  ``make_blocks`` chose it (``TaggedLoss.with_blocks``). ``penalties``:
+  regularisers of its parameters alone inside the loss
+  (``_penalties.Penalty``), which are not layer uses; ``penalty_curvature``
+  gives their curvature per parameter.
   """
   name: str
   spec: LayerSpec
@@ -42,6 +45,7 @@ class Layer:
   stack: int | None = None
   use_ids: tuple = ()
   block: Any = None
+  penalties: tuple = ()
 
   @property
   def kind(self) -> str:
@@ -61,8 +65,25 @@ class Layer:
 
   @property
   def notes(self) -> str:
-    """The fallback reason, or a remark on the layer (tied uses)."""
-    return self.spec.notes
+    """The fallback reason, or a remark on the layer (tied uses), and
+    its parameters' penalties in the loss."""
+    names = dict(zip(self.leaves, self.params))
+    return "; ".join([n for n in [self.spec.notes] if n] + [
+        p.describe(names[p.leaf]) for p in self.penalties])
+
+  @property
+  def penalty_curvature(self) -> dict:
+    """``{path: γ}`` for parameters with quadratic penalties ``c·‖w‖²``
+    in the loss: their curvature is ``γ·I``, ``γ = 2c``, which the block
+    leaves out (None where a penalty's curvature is unknown or not
+    quadratic)."""
+    out = {}
+    for p in self.penalties:
+      path = self.params[self.leaves.index(p.leaf)]
+      old = out.get(path, 0.0)
+      out[path] = (None if old is None or p.curvature is None
+                   else old + p.curvature)
+    return out
 
 
 class _UnionFind:
@@ -100,7 +121,8 @@ def _group(uses, leaf_shapes, n_examples):
   return _kinds.group(uses, leaf_shapes, len(stacked))
 
 
-def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude):
+def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude,
+                 penalties=()):
   """All layers of the model: ``(layers, excluded_paths)``."""
   excluded = {k for k, p in enumerate(paths) if any(
       p == e or fnmatch.fnmatchcase(p, e) for e in exclude)}
@@ -148,7 +170,10 @@ def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude):
     except Unsupported as e:
       spec = FallbackSpec(tuple(tuple(leaf_shapes[k]) for k in kept), str(e))
       leaves, guses = tuple(kept), []
-    layers.append(_layer(spec, leaves, guses, paths, leaf_shapes))
+    layer = _layer(spec, leaves, guses, paths, leaf_shapes)
+    pens = tuple(p for p in penalties if p.leaf in leaves)
+    layers.append(dataclasses.replace(layer, penalties=pens) if pens
+                  else layer)
   layers.sort(key=lambda l: min(l.leaves))
   return tuple(layers), tuple(paths[k] for k in sorted(excluded))
 

@@ -68,6 +68,7 @@ class _Trace:
   uses: list
   opaque: list
   losses: list
+  penalties: list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,7 @@ class TaggedLoss:
     self._uses = tr.uses
     self.layers, self.excluded = _layers.build_layers(
         tr.uses, tr.opaque, self.paths, self.leaf_shapes, batch_size(batch),
-        tuple(exclude))
+        tuple(exclude), tr.penalties)
     self.losses = tuple(tr.losses)
     self._active = sorted(u for l in self.layers for u in l.use_ids)
     self._signatures = {i: _signature(tr.uses[i]) for i in self._active}
@@ -207,12 +208,14 @@ class TaggedLoss:
       hint = (" (use has_aux=True for (loss, aux))"
               if isinstance(loss_shape, (tuple, list)) else "")
       raise ValueError(f"loss_fn must return a scalar loss, got {got}{hint}")
-    uses, opaque = _analysis.analyse(closed.jaxpr, self.leaf_shapes)
+    uses, opaque, penalties = _analysis.analyse(closed.jaxpr,
+                                                self.leaf_shapes)
     tags = [LossTag(-1 - j, key, eqn.params["distribution"],
                     eqn.params["num_outputs"], tuple(eqn.outvars[0].aval.shape),
                     eqn.outvars[0].aval.dtype)
             for j, (key, eqn) in enumerate(find_loss_tags(closed.jaxpr))]
-    return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags)
+    return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags,
+                  penalties)
 
   def _checked_trace(self, params, batch):
     tr = self._trace(params, batch)
