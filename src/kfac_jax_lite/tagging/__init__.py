@@ -46,6 +46,19 @@ Algorithm
    gradient and, w.r.t. the probes, every layer's output cotangents from
    the same forward pass; no per-example parameter gradient is formed.
 
+Example axes and broadcast parameters
+-------------------------------------
+A layer's example axis is the first non-feature axis of its input; when
+its size is not the batch's (a time-major ``lax.scan`` over ``[T, B, D]``,
+``h.reshape(-1, d)`` merging batch and time) the layer keeps its Kronecker
+block under the expand convention: every row of its input is a use of one
+pseudo-example whose loss weight is the examples' mean (``Layer.row_uses``,
+noted in ``describe``). Rows of a table looked up without an example axis
+(a position embedding ``pos[jnp.arange(T)]``) and added to every example
+are an embedding whose ids are broadcast over the batch: the probe goes on
+the sum, where each example has its own cotangent (through a ``jit``
+boundary too).
+
 Shared and tied parameters
 --------------------------
 Every use of a parameter feeds one block. Uses are weight-sharing
@@ -75,8 +88,7 @@ Unsupported (fallback with the reason)
   parameters, parameters in a scan carry, layers inside ``while_loop``,
   parameters stacked over two nested scans;
 * a bias added after only some uses, an embedding gathered along its
-  second axis, layers whose example axis cannot be identified (assumed:
-  the first non-feature axis of the layer input, sized like the batch);
+  second axis, a convolution whose batch axis is not the batch's;
 * ``shard_map``/``pmap`` and other primitives with inner jaxprs.
 
 A custom_jvp/custom_vjp function that contains a layer is replaced by

@@ -93,7 +93,7 @@ class Analysis:
 
   # ------------------------------------------------------------------ walk
   def walk(self, jaxpr, in_views, prefix=(), levels=(), where="",
-           in_while=False):
+           in_while=False, parent=None):
     env = {}
     for v, view in zip(jaxpr.invars, in_views):
       if view is not None:
@@ -106,7 +106,7 @@ class Analysis:
     outset = {v for v in jaxpr.outvars if _is_var(v)}
     ctx = dict(env=env, consumers=consumers, outset=outset, jaxpr=jaxpr,
                prefix=prefix, levels=levels, where=where, in_while=in_while,
-               claimed=set())
+               claimed=set(), parent=parent)
     pending = []
     for i, eqn in enumerate(jaxpr.eqns):
       views = [env.get(v) if _is_var(v) else None for v in eqn.invars]
@@ -135,7 +135,8 @@ class Analysis:
               self._opaque(v, f"passed to `{name}`", where)
           continue
         sub = f"{where}/{name}" if where else name
-        outs = self.walk(inner, views, key + (0,), levels, sub, in_while)
+        outs = self.walk(inner, views, key + (0,), levels, sub, in_while,
+                         parent=(ctx, i))
         for ov, view in zip(eqn.outvars, outs):
           if view is not None:
             env[ov] = view
@@ -333,7 +334,8 @@ class Analysis:
     return self._new_use(
         kind=kind, roles=roles, capture_key=None if cap_i is None
         else ctx["prefix"] + (cap_i,), capture=capture, capture_aval=cap_aval,
-        probe_key=ctx["prefix"] + (probe_i,), probe_aval=probe_aval,
+        probe_key=probe_i if isinstance(probe_i, tuple)
+        else ctx["prefix"] + (probe_i,), probe_aval=probe_aval,
         in_labels=tuple(in_labels), out_labels=tuple(out_labels),
         levels=ctx["levels"], config=config, where=where,
         examples=examples, in_while=ctx["in_while"])
@@ -460,13 +462,75 @@ class Analysis:
       else:
         out_labels.append(("b", b))
         b += 1
-    if n_idx == 0:
-      return "an embedding lookup with no example axis"
     in_labels = [("b", j) for j in range(n_idx)] + [("iv", pos)]
-    self._record("embedding", {"table": tv}, ctx, i, ("var", ind), ind.aval,
-                 i, out.aval, in_labels, out_labels,
+    capture, cap_aval, probe_i, probe_aval = ("var", ind), ind.aval, i, out.aval
+    site = self._broadcast_site(out, tuple(out_labels), ctx)
+    if site is not None:
+      # Rows looked up without an example axis (``pos[jnp.arange(T)]``) and
+      # added to every example: probe the sum, where each example has its
+      # own cotangent, and broadcast the ids over the new leading axes.
+      probe_i, probe_aval, out_labels, new_sizes = site  # A full key.
+      m = len(new_sizes)
+      in_labels = [("b", j) for j in range(m)] + [
+          ("b", l[1] + m) if l[0] == "b" else l for l in in_labels]
+      shape = tuple(new_sizes) + tuple(ind.aval.shape)
+      capture = ("var", ind, shape)
+      cap_aval = ind.aval.update(shape=shape)
+    elif n_idx == 0:
+      return "an embedding lookup with no example axis"
+    self._record("embedding", {"table": tv}, ctx, i, capture, cap_aval,
+                 probe_i, probe_aval, in_labels, out_labels,
                  dict(vocab_size=shape[va], dim=shape[1 - va], id_pos=pos))
     return None
+
+  def _broadcast_site(self, var, labels, ctx):
+    """Follow ``var`` (axes ``labels``) through single-consumer layout ops
+    to an ``add`` that broadcasts it against an activation. Returns
+    ``(add key, add output aval, its labels, new axis sizes)``, the axes
+    the value gained there labelled ``("b", 0..m-1)`` and its own
+    ``("b", j)`` shifted to ``("b", j + m)``; None if there is no such add.
+    """
+    while True:
+      j = self._single_consumer(var, ctx)
+      if j is None:
+        # A value returned by a jit/pjit: go on after the call.
+        pc = ctx["parent"]
+        if (pc is None or ctx["consumers"].get(var) or not _is_var(var)
+            or list(ctx["jaxpr"].outvars).count(var) != 1):
+          return None
+        var = pc[0]["jaxpr"].eqns[pc[1]].outvars[
+            list(ctx["jaxpr"].outvars).index(var)]
+        ctx = pc[0]
+        continue
+      eqn = ctx["jaxpr"].eqns[j]
+      name = eqn.primitive.name
+      if name in _views.IDENTITY_PRIMS or name in _views.LAYOUT_PRIMS:
+        mapping = _views.layout_map(eqn)
+        if mapping is None:
+          return None
+        labels = tuple(("u",) if m is None else labels[m] for m in mapping)
+        var = eqn.outvars[0]
+        continue
+      if name != "add" or j in ctx["claimed"]:
+        return None
+      other = [w for w in eqn.invars if w is not var]
+      if len(other) != 1 or not _is_var(other[0]) or other[0] in ctx["env"]:
+        return None
+      out = eqn.outvars[0].aval
+      if len(out.shape) != len(labels):
+        return None
+      new = [k for k, (l, n) in enumerate(zip(labels, out.shape))
+             if l == ("u",) and n > 1]
+      if not new:
+        return None
+      rank = {k: r for r, k in enumerate(new)}
+      m = len(new)
+      out_labels = tuple(
+          ("b", rank[k]) if k in rank else
+          ("b", l[1] + m) if l[0] == "b" else l
+          for k, l in enumerate(labels))
+      return (ctx["prefix"] + (j,), out, out_labels,
+              tuple(out.shape[k] for k in new))
 
   def _broadcast_labels(self, view, shape):
     nonunit = view.nonunit(shape)
