@@ -560,12 +560,19 @@ class Analysis:
     if j is not None:
       e2 = ctx["jaxpr"].eqns[j]
       z = [w for w in e2.invars if w is not out]
+      shape2 = tuple(e2.outvars[0].aval.shape)
       if (e2.primitive.name == "mul" and len(z) == 1 and _is_var(z[0])
-          and ctx["env"].get(z[0]) is None
-          and tuple(e2.outvars[0].aval.shape) == shape):
+          and ctx["env"].get(z[0]) is None and len(shape2) == len(shape)
+          and all(a in (b, 1) for a, b in zip(shape, shape2))):
+        # ``(x - μ) · (rsqrt(σ²+ε) · scale)``; with batch statistics the
+        # first product has no example axis (``[1, C]``): it gets one here.
         capture, cap_i = ("mul", other, z[0]), j
         y, y_i = e2.outvars[0], j
         ctx["claimed"].add(j)
+        if shape2 != shape:
+          shape = shape2
+          labels, nonunit = self._broadcast_labels(sv, shape)
+          out = y
     roles = {"scale": sv}
     probe_i, probe_aval = y_i, y.aval
     j = self._single_consumer(y, ctx)
