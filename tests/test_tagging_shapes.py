@@ -154,6 +154,7 @@ def test_time_major_scan_and_merged_axes_get_kronecker_blocks():
       ("wh", "dense", "KroneckerDense", ("wh",)),
       ("wi", "dense", "KroneckerDense", ("wi",))], str(rows)
   assert all("every input row a use (expand)" in r.notes for r in rows)
+  assert all(r.sharing == "expand (rows)" for r in rows)
   assert all(l.row_uses for l in _rnn_tagged().layers)
 
 
@@ -237,3 +238,22 @@ def test_kfac_trains_time_major_rnn():
   for _ in range(10):
     p, state, _ = step(p, state)
   assert _rnn_loss(p, batch) < first
+
+
+def test_describe_shows_the_weight_sharing_of_every_block():
+  # Dense blocks follow ``weight_sharing``; a convolution is KFC (expand)
+  # whatever is asked (KFAC-reduce for convolutions is not implemented),
+  # and describe says so rather than hiding it.
+  p = {"k": jnp.ones((3, 3, 2, 4)) / 9, "w": jnp.ones((4, 2)) / 4,
+       "s": jnp.ones(2)}
+
+  def loss(p, x):
+    h = lax.conv_general_dilated(x, p["k"], (1, 1), "VALID",
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jnp.mean(((h @ p["w"]) * p["s"]) ** 2)
+  x = jnp.ones((2, 5, 5, 2))
+  for mode in ("expand", "reduce"):
+    rows = describe(loss, p, x, weight_sharing=mode)
+    assert {r.name: r.sharing for r in rows} == {
+        "k": "expand", "w": mode, "s": "-"}, str(rows)
+    assert "sharing" in str(rows).splitlines()[0]
