@@ -257,3 +257,22 @@ def test_describe_shows_the_weight_sharing_of_every_block():
     assert {r.name: r.sharing for r in rows} == {
         "k": "expand", "w": mode, "s": "-"}, str(rows)
     assert "sharing" in str(rows).splitlines()[0]
+
+
+def test_per_example_embedding_broadcast_over_positions_keeps_its_examples():
+  # ``emb[ids][:, None]`` added over positions: its ids have the example
+  # axis already; the positions are a weight-sharing axis, not examples.
+  k = jax.random.split(jax.random.key(6), 3)
+  p = {"e": jax.random.normal(k[0], (V, D)), "w": jax.random.normal(k[1], (D, 2))}
+  ids = jnp.array([1, 4, 4])
+
+  def loss(p, x):
+    h = jnp.tanh(x + p["e"][ids][:, None])
+    return 0.5 * jnp.mean(jnp.sum((h @ p["w"]) ** 2, (1, 2)))
+  x = jax.random.normal(k[2], (N, T, D))
+  rows = describe(loss, p, x)
+  assert [(r.name, r.kind) for r in rows] == [("e", "embedding"),
+                                               ("w", "dense")], str(rows)
+  tl = find_layers(loss, p, x)
+  (use,) = [tl._uses[i] for i in tl.layer("e").use_ids]
+  assert use.examples == N

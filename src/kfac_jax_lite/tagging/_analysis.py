@@ -487,7 +487,8 @@ class Analysis:
     """Follow ``var`` (axes ``labels``) through single-consumer layout ops
     to an ``add`` that broadcasts it against an activation. Returns
     ``(add key, add output aval, its labels, new axis sizes)``, the axes
-    the value gained there labelled ``("b", 0..m-1)`` and its own
+    the value gained there (all in front of its own non-feature axes)
+    labelled ``("b", 0..m-1)`` and its own
     ``("b", j)`` shifted to ``("b", j + m)``; None if there is no such add.
     """
     while True:
@@ -521,7 +522,10 @@ class Analysis:
         return None
       new = [k for k, (l, n) in enumerate(zip(labels, out.shape))
              if l == ("u",) and n > 1]
-      if not new:
+      own = [k for k, l in enumerate(labels) if l[0] == "b"]
+      if not new or (own and max(new) > min(own)):
+        # Only axes in front of the value's own: ``emb[ids][:, None]``
+        # broadcast over positions keeps its examples.
         return None
       rank = {k: r for r, k in enumerate(new)}
       m = len(new)
