@@ -153,6 +153,16 @@ def test_penalty_that_feeds_the_model_falls_back():
   (row,) = describe(loss, p, jnp.ones((2, 3)))
   assert row.kind == "fallback" and "integer_pow" in row.notes, row
 
+  def loss_carry(p, x):   # The penalty scales activations through a carry.
+    def step(c, xt):
+      h, s = c
+      h = jnp.tanh(h @ p["w"] + xt)
+      return (h * s, s + jnp.sum(p["w"] ** 2)), None
+    (h, _), _ = jax.lax.scan(step, (jnp.zeros((x.shape[1], 3)), 1.0), x)
+    return jnp.mean(h ** 2)
+  (row,) = describe(loss_carry, p, jnp.ones((4, 2, 3)))
+  assert row.kind == "fallback" and "carried out of a loop" in row.notes, row
+
 
 def test_penalty_scale_unknown_when_not_affine_in_the_loss():
   p = {"w": jnp.ones((3, 2)) / 3}

@@ -162,6 +162,12 @@ class Analysis:
     outs = [env.get(v) if _is_var(v) else None for v in jaxpr.outvars]
     if not prefix and outs and isinstance(outs[0], Tail):
       self._loss_scales(outs[0])
+    if prefix and parent is None:
+      # A scan/cond/while body: its outputs are not followed, so a penalty
+      # value leaving it might feed the model.
+      for v in outs:
+        if _penalties.is_tracked(v):
+          self._opaque(v, "a penalty carried out of a loop or branch", where)
     return outs
 
   # ------------------------------------------------------------- penalties

@@ -191,7 +191,8 @@ def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude,
     layer = _layer(spec, leaves, guses, paths, leaf_shapes)
     if row_uses:
       layer = dataclasses.replace(layer, row_uses=True)
-    pens = tuple(p for p in penalties if p.leaf in leaves)
+    pens = () if spec.is_fallback else tuple(
+        p for p in penalties if p.leaf in leaves)
     layers.append(dataclasses.replace(layer, penalties=pens) if pens
                   else layer)
   layers.sort(key=lambda l: min(l.leaves))
