@@ -84,9 +84,13 @@ Unsupported (fallback with the reason)
 --------------------------------------
 * a conv kernel used more than once, or reused at every step of a scan;
 * a kernel with ``dot_general`` batch axes (per-head weights
-  ``"bhd,hde->bhe"``), kernels reshaped/merged before use, products of two
-  parameters, parameters in a scan carry, layers inside ``while_loop``,
-  parameters stacked over two nested scans;
+  ``"bhd,hde->bhe"``), kernels sliced or transposed-then-reshaped before
+  use, a reshaped kernel contracted over part of a split axis (a kernel
+  reshaped by splitting or merging axes, ``W.reshape(d, h, e)`` or
+  ``conv_kernel.reshape(-1, c_out)``, is a dense layer of the stored
+  kernel: ``_views.Regrouped``), products of two parameters, parameters in
+  a scan carry, layers inside ``while_loop``, parameters stacked over two
+  nested scans;
 * a bias added after only some uses, an embedding gathered along its
   second axis, a convolution whose batch axis is not the batch's;
 * ``shard_map``/``pmap`` and other primitives with inner jaxprs.

@@ -18,7 +18,7 @@ from jax import lax
 from kfac_jax_lite.tagging import _penalties
 from kfac_jax_lite.tagging import _views
 from kfac_jax_lite.tagging._penalties import Derived, Penalty, Tail
-from kfac_jax_lite.tagging._views import View
+from kfac_jax_lite.tagging._views import Regrouped, View
 
 CALL_PRIMS = {  # primitive name -> param holding the (closed) jaxpr
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
@@ -121,10 +121,14 @@ class Analysis:
           new = _penalties.layout(views[0], eqn)
           if new is None:
             self._opaque(views[0], "a penalty broadcast into the model", where)
+        elif isinstance(views[0], Regrouped):
+          new = views[0] if name in _views.IDENTITY_PRIMS else (
+              _penalties.as_derived(views[0], views[0].how))
         else:
           new = _views.apply_layout(views[0], eqn)
-          if new is None:  # Not a layer input; maybe a penalty's.
-            new = _penalties.as_derived(views[0], f"reshaped by `{name}`")
+          if new is None:  # A dense kernel's regrouped axes, or a penalty's.
+            new = _views.regroup(views[0], eqn) or _penalties.as_derived(
+                views[0], f"reshaped by `{name}`")
         if new is not None:
           env[eqn.outvars[0]] = new
       elif inner_jaxpr(eqn) is not None:
@@ -262,7 +266,11 @@ class Analysis:
     env = ctx["env"]
     views = [env.get(v) if _is_var(v) else None for v in eqn.invars]
     name = eqn.primitive.name
-    fn = {"dot_general": self._dense, "conv_general_dilated": self._conv,
+    if name != "dot_general" and any(isinstance(v, Regrouped) for v in views):
+      fn = lambda *_: f"reshaped by `reshape` before `{name}`"
+    else:
+      fn = None
+    fn = fn or {"dot_general": self._dense, "conv_general_dilated": self._conv,
           "gather": self._gather, "mul": self._mul, "add": self._add}.get(name)
     reason = fn(i, eqn, views, ctx) if fn else f"used by `{name}`"
     if reason:
@@ -351,6 +359,8 @@ class Analysis:
       return "multiplied (dot_general) by another parameter"
     k = 0 if views[0] is not None else 1
     kv = views[k]
+    if isinstance(kv, Regrouped):
+      return self._dense_regrouped(i, eqn, k, kv, ctx)
     if not kv.pure:
       return "broadcast or reshaped before dot_general"
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -389,6 +399,50 @@ class Analysis:
                  probe_aval, in_labels, labels,
                  dict(in_axes=in_axes, kernel_shape=tuple(
                      kv.leaf_shape[base:])))
+    return None
+
+  def _dense_regrouped(self, i, eqn, k, kv, ctx):
+    """``x ·W'`` with ``W' = W.reshape(...)`` splitting or merging axes: a
+    dense use of ``W`` when the contraction takes whole groups. Its data
+    is arranged over ``W'``'s axes (``config["virtual"]``: the contracted
+    and free axes of ``W'``) and reshaped to ``W``'s by the dense kind."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    kc, xc = (lc, rc) if k == 0 else (rc, lc)
+    if (lb if k == 0 else rb):
+      return "a dot_general batch dimension on the kernel (per-group weights)"
+    kc, xc = tuple(kc), tuple(xc)
+    nk = len(kv.shape)
+    cgroups = {kv.groups[a] for a in kc}
+    if any(kv.groups[a] in cgroups and a not in kc for a in range(nk)):
+      return f"{kv.how}, then contracted over part of a reshaped axis"
+    x = eqn.invars[1 - k]
+    in_labels, b = [], 0
+    for d in range(len(x.aval.shape)):
+      if d in xc:
+        in_labels.append(("k", kc[xc.index(d)]))
+      else:
+        in_labels.append(("b", b))
+        b += 1
+    free = [a for a in range(nk) if a not in kc]
+    if b == 0 or not free:
+      return f"{kv.how}, then an unsupported dot_general"
+    x_free = [("b", j) for j in range(b)]
+    k_free = [("k", a) for a in free]
+    out_labels = k_free + x_free if k == 0 else x_free + k_free
+    in_axes = tuple(sorted(r for g in sorted(cgroups) for r in kv.real[g]))
+    out = eqn.outvars[0]
+    roles = {"kernel": kv}
+    probe_i, probe_aval, labels = i, out.aval, tuple(out_labels)
+    found = self._bias_add(out, labels, ctx, set(k_free))
+    if found is not None:
+      j, bview, labels = found
+      ctx["claimed"].add(j)
+      roles["bias"] = bview
+      probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
+    self._record("dense", roles, ctx, i, ("var", x), x.aval, probe_i,
+                 probe_aval, in_labels, labels,
+                 dict(in_axes=in_axes, kernel_shape=tuple(kv.leaf_shape),
+                      virtual=(tuple(sorted(kc)), tuple(free))))
     return None
 
   def _conv(self, i, eqn, views, ctx):

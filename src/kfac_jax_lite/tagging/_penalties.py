@@ -32,7 +32,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kfac_jax_lite.tagging._views import IDENTITY_PRIMS, LAYOUT_PRIMS, View
+from kfac_jax_lite.tagging._views import (IDENTITY_PRIMS, LAYOUT_PRIMS,
+                                          Regrouped, View)
 
 # Elementwise primitives of one operand that keep a penalty a penalty
 # (the result's form is "other" unless the algebra below knows better).
@@ -114,6 +115,8 @@ def as_derived(value, how):
   """A ``View`` (or ``Derived``) as a ``Derived``."""
   if isinstance(value, Derived):
     return value
+  if isinstance(value, Regrouped):  # Every element once: still ``w``.
+    return Derived(value.leaf, "lin", 1.0, how)
   return Derived(value.leaf, "lin" if value.pure else "other", 1.0, how)
 
 
@@ -138,7 +141,7 @@ def starts(eqn, values):
   for var, val in zip(eqn.invars, values):
     if hasattr(var, "val"):
       continue
-    if not isinstance(val, (View, Derived)):
+    if not isinstance(val, (View, Derived, Regrouped)):
       return False
     leaves.add(val.leaf)
   return len(leaves) == 1
