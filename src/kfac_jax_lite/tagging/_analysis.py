@@ -17,7 +17,7 @@ from jax import lax
 
 from kfac_jax_lite.tagging import _penalties
 from kfac_jax_lite.tagging import _views
-from kfac_jax_lite.tagging._penalties import Derived, Penalty, Tail
+from kfac_jax_lite.tagging._penalties import Penalty, Tail
 from kfac_jax_lite.tagging._views import Regrouped, View
 
 CALL_PRIMS = {  # primitive name -> param holding the (closed) jaxpr
@@ -68,7 +68,7 @@ def inner_jaxpr(eqn):
   return j, ()
 
 
-class Analysis:
+class Analysis(_penalties.PenaltyWalk):
 
   def __init__(self):
     self.uses: list[Use] = []
@@ -173,59 +173,6 @@ class Analysis:
         if _penalties.is_tracked(v):
           self._opaque(v, "a penalty carried out of a loop or branch", where)
     return outs
-
-  # ------------------------------------------------------------- penalties
-  def _untracked(self, value, name, where):
-    """``value`` if a ``View``; a penalty value entering ``name`` (a scan,
-    cond or while) is reported as an unmatched use."""
-    if _penalties.is_tracked(value):
-      self._opaque(value, f"{getattr(value, 'how', 'a penalty')}, then "
-                   f"passed to `{name}`", where)
-      return None
-    return value
-
-  def _tracked(self, eqn, values, ctx):
-    """An equation on values of one leaf alone, or on penalties (see
-    ``_penalties``): its output's ``Derived``/``Tail``, or unmatched uses
-    when the values feed the model."""
-    env, where, name = ctx["env"], ctx["where"], eqn.primitive.name
-    if not any(isinstance(v, Tail) for v in values) and _penalties.starts(
-        eqn, values):
-      env[eqn.outvars[0]] = _penalties.step(eqn, values)
-      return
-    scalar_out = not eqn.outvars[0].aval.shape
-    vals = list(values)
-    for j, (var, v) in enumerate(zip(eqn.invars, values)):
-      if isinstance(v, Derived) and scalar_out and not var.aval.shape:
-        pen = Penalty(len(self.penalties), v.leaf,
-                      v.coef if v.form == "ssq" else None, v.how)
-        self.penalties.append(pen)
-        k = 1.0 if name in ("add", "add_any", "sub") else None
-        vals[j] = Tail(((pen.pid, k),))   # tail_step applies the sign
-      elif isinstance(v, (Derived, View)):
-        how = v.how if isinstance(v, Derived) else "combined with a penalty"
-        self._opaque(v, f"{how}, then `{name}`", where)
-        vals[j] = None
-    if any(isinstance(v, Tail) for v in vals):
-      new = vals
-      out = _penalties.tail_step(eqn, new)
-      if out is None:
-        for v in new:
-          if isinstance(v, Tail):
-            self._opaque(v, "a penalty that feeds the model (a function of "
-                         "the parameter alone, combined with activations)",
-                         where)
-      else:
-        env[eqn.outvars[0]] = out
-
-  def _loss_scales(self, tail):
-    """Each penalty's ``∂L/∂P`` from the loss output's ``Tail``."""
-    scales = {}
-    for pid, k in tail.terms:
-      old = scales.get(pid, 0.0)
-      scales[pid] = None if k is None or old is None else old + k
-    for pid, k in scales.items():
-      self.penalties[pid].scale = k
 
   def _scan(self, eqn, views, key, ctx):
     p = eqn.params
