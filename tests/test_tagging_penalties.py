@@ -107,7 +107,10 @@ def test_penalty_stays_out_of_the_statistics(dtype):
     dt = jnp.dtype(dtype)
     loss, model_loss, p, batch = _model("pow", dt)
     key = jax.random.PRNGKey(3)
-    for estimation in ("fisher", "empirical", "exact"):
+    # float64 checks one mode (the precision path is shared): test time.
+    modes = ("fisher", "empirical", "exact") if dtype == "float32" else (
+        "exact",)
+    for estimation in modes:
       with_pen = kfl.value_grad_and_stats(loss, p, batch,
                                           estimation=estimation)
       without = kfl.value_grad_and_stats(model_loss, p, batch,
