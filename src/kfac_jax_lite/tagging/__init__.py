@@ -25,8 +25,13 @@ Algorithm
      the ``(x - μ) · (rsqrt(σ²+ε) · scale) + bias`` form of Flax and Haiku
      norms (the scale's input is then ``(x - μ) · rsqrt(σ²+ε)``).
 
-   Any other use of a leaf (an unmatched primitive, a reshape that merges
-   axes, a scan carry, ...) is recorded with its reason.
+   A function of one leaf alone that is added to the loss as a scalar
+   (weight decay ``c·Σ‖w‖²``, ``optax.l2_loss``, ``jnp.vdot(w, w)``, an L1
+   term) is a *penalty* (``_penalties``), not a use: the leaf keeps its
+   layer block and ``describe`` reports the penalty (with the curvature
+   ``2c·I`` of a quadratic one, left out of the block). Any other use of a
+   leaf (an unmatched primitive, a reshape that merges axes, a scan carry,
+   a penalty added into activations, ...) is recorded with its reason.
 3. Uses are grouped by the leaves they share (``_layers``). One group is one
    layer of the kind that takes its uses: each kind is one record,
    ``_kinds/<kind>.py`` (its grouping, default block, data layout and
@@ -40,6 +45,19 @@ Algorithm
    ``jax.vjp`` of ``apply(params, batch, probes)`` then gives the parameter
    gradient and, w.r.t. the probes, every layer's output cotangents from
    the same forward pass; no per-example parameter gradient is formed.
+
+Example axes and broadcast parameters
+-------------------------------------
+A layer's example axis is the first non-feature axis of its input; when
+its size is not the batch's (a time-major ``lax.scan`` over ``[T, B, D]``,
+``h.reshape(-1, d)`` merging batch and time) the layer keeps its Kronecker
+block under the expand convention: every row of its input is a use of one
+pseudo-example whose loss weight is the examples' mean (``Layer.row_uses``,
+noted in ``describe``). Rows of a table looked up without an example axis
+(a position embedding ``pos[jnp.arange(T)]``) and added to every example
+are an embedding whose ids are broadcast over the batch: the probe goes on
+the sum, where each example has its own cotangent (through a ``jit``
+boundary too).
 
 Shared and tied parameters
 --------------------------
@@ -66,14 +84,15 @@ Unsupported (fallback with the reason)
 --------------------------------------
 * a conv kernel used more than once, or reused at every step of a scan;
 * a kernel with ``dot_general`` batch axes (per-head weights
-  ``"bhd,hde->bhe"``), kernels reshaped/merged before use, products of two
-  parameters, parameters in a scan carry, layers inside ``while_loop``,
-  parameters stacked over two nested scans;
+  ``"bhd,hde->bhe"``), kernels sliced or transposed-then-reshaped before
+  use, a reshaped kernel contracted over part of a split axis (a kernel
+  reshaped by splitting or merging axes, ``W.reshape(d, h, e)`` or
+  ``conv_kernel.reshape(-1, c_out)``, is a dense layer of the stored
+  kernel: ``_views.Regrouped``), products of two parameters, parameters in
+  a scan carry, layers inside ``while_loop``, parameters stacked over two
+  nested scans;
 * a bias added after only some uses, an embedding gathered along its
-  second axis, layers whose example axis cannot be identified (assumed:
-  the first non-feature axis of the layer input, sized like the batch);
-* regularisers on parameters inside the loss (e.g. ``sum(W**2)``) count as
-  an unmatched use: pass weight decay through optax instead;
+  second axis, a convolution whose batch axis is not the batch's;
 * ``shard_map``/``pmap`` and other primitives with inner jaxprs.
 
 A custom_jvp/custom_vjp function that contains a layer is replaced by

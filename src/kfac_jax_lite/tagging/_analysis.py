@@ -15,8 +15,10 @@ from typing import Any
 import numpy as np
 from jax import lax
 
+from kfac_jax_lite.tagging import _penalties
 from kfac_jax_lite.tagging import _views
-from kfac_jax_lite.tagging._views import View
+from kfac_jax_lite.tagging._penalties import Penalty, Tail
+from kfac_jax_lite.tagging._views import Regrouped, View
 
 CALL_PRIMS = {  # primitive name -> param holding the (closed) jaxpr
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
@@ -66,14 +68,21 @@ def inner_jaxpr(eqn):
   return j, ()
 
 
-class Analysis:
+class Analysis(_penalties.PenaltyWalk):
 
   def __init__(self):
     self.uses: list[Use] = []
     self.opaque: list[Opaque] = []
+    self.penalties: list[Penalty] = []
 
   # --------------------------------------------------------------- helpers
   def _opaque(self, view, reason, where):
+    """Record an unmatched use of ``view``'s leaf (a ``Tail``: of the
+    leaves of its penalties)."""
+    if isinstance(view, Tail):
+      for pid, _ in view.terms:
+        self._opaque(self.penalties[pid], reason, where)
+      return
     self.opaque.append(Opaque(view.leaf, f"{reason} (in {where})"
                               if where else reason))
 
@@ -84,7 +93,7 @@ class Analysis:
 
   # ------------------------------------------------------------------ walk
   def walk(self, jaxpr, in_views, prefix=(), levels=(), where="",
-           in_while=False):
+           in_while=False, parent=None):
     env = {}
     for v, view in zip(jaxpr.invars, in_views):
       if view is not None:
@@ -97,7 +106,7 @@ class Analysis:
     outset = {v for v in jaxpr.outvars if _is_var(v)}
     ctx = dict(env=env, consumers=consumers, outset=outset, jaxpr=jaxpr,
                prefix=prefix, levels=levels, where=where, in_while=in_while,
-               claimed=set())
+               claimed=set(), parent=parent)
     pending = []
     for i, eqn in enumerate(jaxpr.eqns):
       views = [env.get(v) if _is_var(v) else None for v in eqn.invars]
@@ -105,12 +114,22 @@ class Analysis:
         continue
       name = eqn.primitive.name
       key = prefix + (i,)
+      tracked = any(_penalties.is_tracked(v) for v in views)
       if (name in _views.IDENTITY_PRIMS or name in _views.LAYOUT_PRIMS) and (
           len(eqn.invars) == 1 or all(v is None for v in views[1:])):
-        new = _views.apply_layout(views[0], eqn)
-        if new is None:
-          self._opaque(views[0], f"reshaped by `{name}` before use", where)
+        if tracked:
+          new = _penalties.layout(views[0], eqn)
+          if new is None:
+            self._opaque(views[0], "a penalty broadcast into the model", where)
+        elif isinstance(views[0], Regrouped):
+          new = views[0] if name in _views.IDENTITY_PRIMS else (
+              _penalties.as_derived(views[0], views[0].how))
         else:
+          new = _views.apply_layout(views[0], eqn)
+          if new is None:  # A dense kernel's regrouped axes, or a penalty's.
+            new = _views.regroup(views[0], eqn) or _penalties.as_derived(
+                views[0], f"reshaped by `{name}`")
+        if new is not None:
           env[eqn.outvars[0]] = new
       elif inner_jaxpr(eqn) is not None:
         inner, _ = inner_jaxpr(eqn)
@@ -120,24 +139,40 @@ class Analysis:
               self._opaque(v, f"passed to `{name}`", where)
           continue
         sub = f"{where}/{name}" if where else name
-        outs = self.walk(inner, views, key + (0,), levels, sub, in_while)
+        outs = self.walk(inner, views, key + (0,), levels, sub, in_while,
+                         parent=(ctx, i))
         for ov, view in zip(eqn.outvars, outs):
           if view is not None:
             env[ov] = view
-      elif name == "scan":
-        self._scan(eqn, views, key, ctx)
-      elif name == "cond":
-        sub = f"{where}/cond" if where else "cond"
-        for b, br in enumerate(eqn.params["branches"]):
-          self.walk(br.jaxpr, views[1:], key + (b,), levels, sub, in_while)
-      elif name == "while":
-        self._while(eqn, views, key, ctx)
+      elif name in ("scan", "cond", "while"):
+        views = [self._untracked(v, name, where) for v in views]
+        if all(v is None for v in views):
+          continue
+        if name == "scan":
+          self._scan(eqn, views, key, ctx)
+        elif name == "while":
+          self._while(eqn, views, key, ctx)
+        else:
+          sub = f"{where}/cond" if where else "cond"
+          for b, br in enumerate(eqn.params["branches"]):
+            self.walk(br.jaxpr, views[1:], key + (b,), levels, sub, in_while)
+      elif tracked or _penalties.starts(eqn, views):
+        self._tracked(eqn, views, ctx)
       else:
         pending.append(i)
     for i in pending:
       if i not in ctx["claimed"]:
         self._classify(i, ctx)
-    return [env.get(v) if _is_var(v) else None for v in jaxpr.outvars]
+    outs = [env.get(v) if _is_var(v) else None for v in jaxpr.outvars]
+    if not prefix and outs and isinstance(outs[0], Tail):
+      self._loss_scales(outs[0])
+    if prefix and parent is None:
+      # A scan/cond/while body: its outputs are not followed, so a penalty
+      # value leaving it might feed the model.
+      for v in outs:
+        if _penalties.is_tracked(v):
+          self._opaque(v, "a penalty carried out of a loop or branch", where)
+    return outs
 
   def _scan(self, eqn, views, key, ctx):
     p = eqn.params
@@ -178,7 +213,11 @@ class Analysis:
     env = ctx["env"]
     views = [env.get(v) if _is_var(v) else None for v in eqn.invars]
     name = eqn.primitive.name
-    fn = {"dot_general": self._dense, "conv_general_dilated": self._conv,
+    if name != "dot_general" and any(isinstance(v, Regrouped) for v in views):
+      fn = lambda *_: f"reshaped by `reshape` before `{name}`"
+    else:
+      fn = None
+    fn = fn or {"dot_general": self._dense, "conv_general_dilated": self._conv,
           "gather": self._gather, "mul": self._mul, "add": self._add}.get(name)
     reason = fn(i, eqn, views, ctx) if fn else f"used by `{name}`"
     if reason:
@@ -227,7 +266,7 @@ class Analysis:
       if len(other) != 1 or not _is_var(other[0]):
         continue
       bview = ctx["env"].get(other[0])
-      if bview is None:
+      if not isinstance(bview, View):
         continue
       shape = tuple(eqn.outvars[0].aval.shape)
       if shape != tuple(v.aval.shape):
@@ -256,7 +295,8 @@ class Analysis:
     return self._new_use(
         kind=kind, roles=roles, capture_key=None if cap_i is None
         else ctx["prefix"] + (cap_i,), capture=capture, capture_aval=cap_aval,
-        probe_key=ctx["prefix"] + (probe_i,), probe_aval=probe_aval,
+        probe_key=probe_i if isinstance(probe_i, tuple)
+        else ctx["prefix"] + (probe_i,), probe_aval=probe_aval,
         in_labels=tuple(in_labels), out_labels=tuple(out_labels),
         levels=ctx["levels"], config=config, where=where,
         examples=examples, in_while=ctx["in_while"])
@@ -266,6 +306,8 @@ class Analysis:
       return "multiplied (dot_general) by another parameter"
     k = 0 if views[0] is not None else 1
     kv = views[k]
+    if isinstance(kv, Regrouped):
+      return self._dense_regrouped(i, eqn, k, kv, ctx)
     if not kv.pure:
       return "broadcast or reshaped before dot_general"
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -304,6 +346,50 @@ class Analysis:
                  probe_aval, in_labels, labels,
                  dict(in_axes=in_axes, kernel_shape=tuple(
                      kv.leaf_shape[base:])))
+    return None
+
+  def _dense_regrouped(self, i, eqn, k, kv, ctx):
+    """``x ·W'`` with ``W' = W.reshape(...)`` splitting or merging axes: a
+    dense use of ``W`` when the contraction takes whole groups. Its data
+    is arranged over ``W'``'s axes (``config["virtual"]``: the contracted
+    and free axes of ``W'``) and reshaped to ``W``'s by the dense kind."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    kc, xc = (lc, rc) if k == 0 else (rc, lc)
+    if (lb if k == 0 else rb):
+      return "a dot_general batch dimension on the kernel (per-group weights)"
+    kc, xc = tuple(kc), tuple(xc)
+    nk = len(kv.shape)
+    cgroups = {kv.groups[a] for a in kc}
+    if any(kv.groups[a] in cgroups and a not in kc for a in range(nk)):
+      return f"{kv.how}, then contracted over part of a reshaped axis"
+    x = eqn.invars[1 - k]
+    in_labels, b = [], 0
+    for d in range(len(x.aval.shape)):
+      if d in xc:
+        in_labels.append(("k", kc[xc.index(d)]))
+      else:
+        in_labels.append(("b", b))
+        b += 1
+    free = [a for a in range(nk) if a not in kc]
+    if b == 0 or not free:
+      return f"{kv.how}, then an unsupported dot_general"
+    x_free = [("b", j) for j in range(b)]
+    k_free = [("k", a) for a in free]
+    out_labels = k_free + x_free if k == 0 else x_free + k_free
+    in_axes = tuple(sorted(r for g in sorted(cgroups) for r in kv.real[g]))
+    out = eqn.outvars[0]
+    roles = {"kernel": kv}
+    probe_i, probe_aval, labels = i, out.aval, tuple(out_labels)
+    found = self._bias_add(out, labels, ctx, set(k_free))
+    if found is not None:
+      j, bview, labels = found
+      ctx["claimed"].add(j)
+      roles["bias"] = bview
+      probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
+    self._record("dense", roles, ctx, i, ("var", x), x.aval, probe_i,
+                 probe_aval, in_labels, labels,
+                 dict(in_axes=in_axes, kernel_shape=tuple(kv.leaf_shape),
+                      virtual=(tuple(sorted(kc)), tuple(free))))
     return None
 
   def _conv(self, i, eqn, views, ctx):
@@ -383,13 +469,79 @@ class Analysis:
       else:
         out_labels.append(("b", b))
         b += 1
-    if n_idx == 0:
-      return "an embedding lookup with no example axis"
     in_labels = [("b", j) for j in range(n_idx)] + [("iv", pos)]
-    self._record("embedding", {"table": tv}, ctx, i, ("var", ind), ind.aval,
-                 i, out.aval, in_labels, out_labels,
+    capture, cap_aval, probe_i, probe_aval = ("var", ind), ind.aval, i, out.aval
+    site = self._broadcast_site(out, tuple(out_labels), ctx)
+    if site is not None:
+      # Rows looked up without an example axis (``pos[jnp.arange(T)]``) and
+      # added to every example: probe the sum, where each example has its
+      # own cotangent, and broadcast the ids over the new leading axes.
+      probe_i, probe_aval, out_labels, new_sizes = site  # A full key.
+      m = len(new_sizes)
+      in_labels = [("b", j) for j in range(m)] + [
+          ("b", l[1] + m) if l[0] == "b" else l for l in in_labels]
+      shape = tuple(new_sizes) + tuple(ind.aval.shape)
+      capture = ("var", ind, shape)
+      cap_aval = ind.aval.update(shape=shape)
+    elif n_idx == 0:
+      return "an embedding lookup with no example axis"
+    self._record("embedding", {"table": tv}, ctx, i, capture, cap_aval,
+                 probe_i, probe_aval, in_labels, out_labels,
                  dict(vocab_size=shape[va], dim=shape[1 - va], id_pos=pos))
     return None
+
+  def _broadcast_site(self, var, labels, ctx):
+    """Follow ``var`` (axes ``labels``) through single-consumer layout ops
+    to an ``add`` that broadcasts it against an activation. Returns
+    ``(add key, add output aval, its labels, new axis sizes)``, the axes
+    the value gained there (all in front of its own non-feature axes)
+    labelled ``("b", 0..m-1)`` and its own
+    ``("b", j)`` shifted to ``("b", j + m)``; None if there is no such add.
+    """
+    while True:
+      j = self._single_consumer(var, ctx)
+      if j is None:
+        # A value returned by a jit/pjit: go on after the call.
+        pc = ctx["parent"]
+        if (pc is None or ctx["consumers"].get(var) or not _is_var(var)
+            or list(ctx["jaxpr"].outvars).count(var) != 1):
+          return None
+        var = pc[0]["jaxpr"].eqns[pc[1]].outvars[
+            list(ctx["jaxpr"].outvars).index(var)]
+        ctx = pc[0]
+        continue
+      eqn = ctx["jaxpr"].eqns[j]
+      name = eqn.primitive.name
+      if name in _views.IDENTITY_PRIMS or name in _views.LAYOUT_PRIMS:
+        mapping = _views.layout_map(eqn)
+        if mapping is None:
+          return None
+        labels = tuple(("u",) if m is None else labels[m] for m in mapping)
+        var = eqn.outvars[0]
+        continue
+      if name != "add" or j in ctx["claimed"]:
+        return None
+      other = [w for w in eqn.invars if w is not var]
+      if len(other) != 1 or not _is_var(other[0]) or other[0] in ctx["env"]:
+        return None
+      out = eqn.outvars[0].aval
+      if len(out.shape) != len(labels):
+        return None
+      new = [k for k, (l, n) in enumerate(zip(labels, out.shape))
+             if l == ("u",) and n > 1]
+      own = [k for k, l in enumerate(labels) if l[0] == "b"]
+      if not new or (own and max(new) > min(own)):
+        # Only axes in front of the value's own: ``emb[ids][:, None]``
+        # broadcast over positions keeps its examples.
+        return None
+      rank = {k: r for r, k in enumerate(new)}
+      m = len(new)
+      out_labels = tuple(
+          ("b", rank[k]) if k in rank else
+          ("b", l[1] + m) if l[0] == "b" else l
+          for k, l in enumerate(labels))
+      return (ctx["prefix"] + (j,), out, out_labels,
+              tuple(out.shape[k] for k in new))
 
   def _broadcast_labels(self, view, shape):
     nonunit = view.nonunit(shape)
@@ -419,12 +571,19 @@ class Analysis:
     if j is not None:
       e2 = ctx["jaxpr"].eqns[j]
       z = [w for w in e2.invars if w is not out]
+      shape2 = tuple(e2.outvars[0].aval.shape)
       if (e2.primitive.name == "mul" and len(z) == 1 and _is_var(z[0])
-          and ctx["env"].get(z[0]) is None
-          and tuple(e2.outvars[0].aval.shape) == shape):
+          and ctx["env"].get(z[0]) is None and len(shape2) == len(shape)
+          and all(a in (b, 1) for a, b in zip(shape, shape2))):
+        # ``(x - μ) · (rsqrt(σ²+ε) · scale)``; with batch statistics the
+        # first product has no example axis (``[1, C]``): it gets one here.
         capture, cap_i = ("mul", other, z[0]), j
         y, y_i = e2.outvars[0], j
         ctx["claimed"].add(j)
+        if shape2 != shape:
+          shape = shape2
+          labels, nonunit = self._broadcast_labels(sv, shape)
+          out = y
     roles = {"scale": sv}
     probe_i, probe_aval = y_i, y.aval
     j = self._single_consumer(y, ctx)
@@ -432,7 +591,7 @@ class Analysis:
       e3 = ctx["jaxpr"].eqns[j]
       w = [v for v in e3.invars if v is not y]
       hv = ctx["env"].get(w[0]) if len(w) == 1 and _is_var(w[0]) else None
-      if (e3.primitive.name == "add" and hv is not None and hv.leaf != sv.leaf
+      if (e3.primitive.name == "add" and isinstance(hv, View) and hv.leaf != sv.leaf
           and hv.stacked == sv.stacked
           and tuple(e3.outvars[0].aval.shape) == shape
           and hv.nonunit(shape) == nonunit and hv.covers(shape)):
@@ -460,11 +619,11 @@ class Analysis:
 
 
 def analyse(jaxpr, leaf_shapes):
-  """``(uses, opaque)`` of ``jaxpr`` (a core.Jaxpr) whose first invars are
+  """``(uses, opaque, penalties)`` of ``jaxpr`` (a core.Jaxpr) whose first invars are
   the parameter leaves, of shapes ``leaf_shapes``."""
   an = Analysis()
   in_views = [None] * len(jaxpr.invars)
   for k, shape in enumerate(leaf_shapes):
     in_views[k] = View(k, tuple(range(len(shape))), tuple(shape))
   an.walk(jaxpr, in_views)
-  return an.uses, an.opaque
+  return an.uses, an.opaque, an.penalties

@@ -6,8 +6,11 @@ from kfac_jax_lite import blocks as B
 
 class Row(dict):
   """One block: ``name``, ``kind``, ``block``, ``params``, ``factors``
-  (factor shapes), ``bytes`` (state bytes), ``uses``, ``stack``, ``notes``
-  (the fallback reason for fallbacks). Fields read as keys or attributes."""
+  (factor shapes), ``sharing`` (the weight-sharing convention of a
+  Kronecker block: ``"expand"``/``"reduce"``, ``"expand (rows)"`` for a
+  layer whose input rows are the uses, ``"-"`` otherwise), ``bytes`` (state
+  bytes), ``uses``, ``stack``, ``notes`` (the fallback reason for
+  fallbacks). Fields read as keys or attributes."""
 
   __getattr__ = dict.__getitem__
 
@@ -15,8 +18,8 @@ class Row(dict):
 class Table(list):
   """A list of ``Row``s whose ``str`` is an aligned text table."""
 
-  COLUMNS = ("name", "kind", "block", "params", "factors", "bytes", "uses",
-             "notes")
+  COLUMNS = ("name", "kind", "block", "params", "factors", "sharing", "bytes",
+             "uses", "notes")
 
   def __str__(self):
     def cell(row, c):
@@ -56,9 +59,20 @@ def rows(tagged):
         name=l.name, kind=l.kind, block=type(block).__name__,
         params=tuple(l.params),
         factors=tuple(tuple(s) for s in block.factor_shapes),
-        bytes=B.state_bytes(l.block), uses=l.uses, stack=l.stack,
-        notes=l.notes))
+        sharing=_sharing(l, block), bytes=B.state_bytes(l.block),
+        uses=l.uses, stack=l.stack, notes=l.notes))
   return table
+
+
+def _sharing(layer, block):
+  """The weight-sharing convention of ``layer``'s ``block`` (see ``Row``);
+  a ``KroneckerConv`` is KFC, i.e. expand."""
+  mode = getattr(block, "weight_sharing", None)
+  if mode is None and isinstance(block, B.KroneckerConv):
+    mode = "expand"
+  if mode is None:
+    return "-"
+  return f"{mode} (rows)" if layer.row_uses else mode
 
 
 def describe(loss_fn, params, batch, *, has_aux=False, exclude=(),

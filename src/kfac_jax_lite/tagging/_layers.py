@@ -31,7 +31,13 @@ class Layer:
   ``Stacked`` one. ``uses``: how many times the parameters are applied
   (scan steps counted once per equation). ``use_ids``: the graph walk's
   uses, in the spec's order. ``block``: the curvature block, None until
-  ``make_blocks`` chose it (``TaggedLoss.with_blocks``).
+  ``make_blocks`` chose it (``TaggedLoss.with_blocks``). ``penalties``:
+  regularisers of its parameters alone inside the loss
+  (``_penalties.Penalty``), which are not layer uses; ``penalty_curvature``
+  gives their curvature per parameter. ``row_uses``: the layer's input has
+  no axis that is the batch's example axis (a time-major scan, ``h.reshape(
+  -1, d)`` merging batch and time): every row of its input is a use of one
+  pseudo-example ("expand"), whose loss weight is the examples' mean.
   """
   name: str
   spec: LayerSpec
@@ -42,6 +48,8 @@ class Layer:
   stack: int | None = None
   use_ids: tuple = ()
   block: Any = None
+  penalties: tuple = ()
+  row_uses: bool = False
 
   @property
   def kind(self) -> str:
@@ -61,8 +69,27 @@ class Layer:
 
   @property
   def notes(self) -> str:
-    """The fallback reason, or a remark on the layer (tied uses)."""
-    return self.spec.notes
+    """The fallback reason, or a remark on the layer (tied uses), and
+    its parameters' penalties in the loss."""
+    names = dict(zip(self.leaves, self.params))
+    rows = ["example axis unknown: every input row a use (expand), loss "
+            "weights spread evenly"] if self.row_uses else []
+    return "; ".join([n for n in [self.spec.notes] if n] + rows + [
+        p.describe(names[p.leaf]) for p in self.penalties])
+
+  @property
+  def penalty_curvature(self) -> dict:
+    """``{path: γ}`` for parameters with quadratic penalties ``c·‖w‖²``
+    in the loss: their curvature is ``γ·I``, ``γ = 2c``, which the block
+    leaves out (None where a penalty's curvature is unknown or not
+    quadratic)."""
+    out = {}
+    for p in self.penalties:
+      path = self.params[self.leaves.index(p.leaf)]
+      old = out.get(path, 0.0)
+      out[path] = (None if old is None or p.curvature is None
+                   else old + p.curvature)
+    return out
 
 
 class _UnionFind:
@@ -85,7 +112,11 @@ def _leaves_of(use):
 
 
 def _group(uses, leaf_shapes, n_examples):
-  """The ``Grouping`` of a group of uses; raises ``Unsupported``."""
+  """``(grouping, row_uses)`` of a group of uses; raises ``Unsupported``.
+
+  Uses whose example axis is not the batch's (a size other than
+  ``n_examples``) make a layer of ``row_uses`` (see ``Layer``).
+  """
   stacked = {v.stacked for u in uses for v in u.roles.values()}
   if len(stacked) != 1:
     raise Unsupported("used both stacked along lax.scan and unstacked")
@@ -93,14 +124,23 @@ def _group(uses, leaf_shapes, n_examples):
   if len(stacked) > 1:
     raise Unsupported("stacked along more than one lax.scan level")
   for u in uses:
-    if u.examples is None or (n_examples is not None
-                              and u.examples != n_examples):
+    if u.examples is None:
       raise Unsupported(f"cannot identify the example axis of its {u.kind} "
                         f"use (in {u.where})")
-  return _kinds.group(uses, leaf_shapes, len(stacked))
+  sizes = {u.examples for u in uses}
+  row_uses = n_examples is not None and sizes != {n_examples}
+  if row_uses and len(sizes) > 1:
+    raise Unsupported("uses whose example axes differ in size and are not "
+                      "the batch's")
+  if row_uses and any(u.kind == "conv" for u in uses):
+    raise Unsupported("cannot identify the example axis of its conv use (in "
+                      f"{uses[0].where}): the batch axis is "
+                      f"{uses[0].examples}, not {n_examples}")
+  return _kinds.group(uses, leaf_shapes, len(stacked)), row_uses
 
 
-def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude):
+def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude,
+                 penalties=()):
   """All layers of the model: ``(layers, excluded_paths)``."""
   excluded = {k for k, p in enumerate(paths) if any(
       p == e or fnmatch.fnmatchcase(p, e) for e in exclude)}
@@ -142,13 +182,19 @@ def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude):
             r for k in members for r in reasons.get(k, ()))))
       if not guses:
         raise Unsupported("no layer pattern uses it")
-      spec, leaves = _group(guses, leaf_shapes, n_examples)
+      (spec, leaves), row_uses = _group(guses, leaf_shapes, n_examples)
       if set(leaves) & excluded:
         raise Unsupported("its layer's other parameters are excluded")
     except Unsupported as e:
       spec = FallbackSpec(tuple(tuple(leaf_shapes[k]) for k in kept), str(e))
-      leaves, guses = tuple(kept), []
-    layers.append(_layer(spec, leaves, guses, paths, leaf_shapes))
+      leaves, guses, row_uses = tuple(kept), [], False
+    layer = _layer(spec, leaves, guses, paths, leaf_shapes)
+    if row_uses:
+      layer = dataclasses.replace(layer, row_uses=True)
+    pens = () if spec.is_fallback else tuple(
+        p for p in penalties if p.leaf in leaves)
+    layers.append(dataclasses.replace(layer, penalties=pens) if pens
+                  else layer)
   layers.sort(key=lambda l: min(l.leaves))
   return tuple(layers), tuple(paths[k] for k in sorted(excluded))
 

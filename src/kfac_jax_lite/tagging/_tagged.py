@@ -68,6 +68,7 @@ class _Trace:
   uses: list
   opaque: list
   losses: list
+  penalties: list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,7 @@ class TaggedLoss:
     self._uses = tr.uses
     self.layers, self.excluded = _layers.build_layers(
         tr.uses, tr.opaque, self.paths, self.leaf_shapes, batch_size(batch),
-        tuple(exclude))
+        tuple(exclude), tr.penalties)
     self.losses = tuple(tr.losses)
     self._active = sorted(u for l in self.layers for u in l.use_ids)
     self._signatures = {i: _signature(tr.uses[i]) for i in self._active}
@@ -207,12 +208,14 @@ class TaggedLoss:
       hint = (" (use has_aux=True for (loss, aux))"
               if isinstance(loss_shape, (tuple, list)) else "")
       raise ValueError(f"loss_fn must return a scalar loss, got {got}{hint}")
-    uses, opaque = _analysis.analyse(closed.jaxpr, self.leaf_shapes)
+    uses, opaque, penalties = _analysis.analyse(closed.jaxpr,
+                                                self.leaf_shapes)
     tags = [LossTag(-1 - j, key, eqn.params["distribution"],
                     eqn.params["num_outputs"], tuple(eqn.outvars[0].aval.shape),
                     eqn.outvars[0].aval.dtype)
             for j, (key, eqn) in enumerate(find_loss_tags(closed.jaxpr))]
-    return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags)
+    return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags,
+                  penalties)
 
   def _checked_trace(self, params, batch):
     tr = self._trace(params, batch)
@@ -265,12 +268,22 @@ class TaggedLoss:
 
   def _data(self, layer, captures, cotangents):
     uses, cots, _ = self._cotangents(layer, cotangents)
-    return layer.spec.data(uses, captures, cots, bool(layer.stack))
+    inputs, cots = layer.spec.data(uses, captures, cots, bool(layer.stack))
+    if layer.row_uses:  # One pseudo-example whose rows are the uses.
+      base = 1 if layer.stack else 0
+      inputs = jnp.expand_dims(inputs, base)
+      cots = jnp.expand_dims(cots, base + 1)
+    return inputs, cots
 
   def _gradients(self, layer, captures, cotangents):
-    """``[L?, S, N, *shape]`` per block parameter."""
+    """``[L?, S, N, *shape]`` per block parameter (N = 1 for a layer of
+    ``row_uses``: the sum over its rows)."""
     uses, cots, _ = self._cotangents(layer, cotangents)
-    return layer.spec.gradients(uses, captures, cots, bool(layer.stack))
+    grads = layer.spec.gradients(uses, captures, cots, bool(layer.stack))
+    if layer.row_uses:
+      axis = 2 if layer.stack else 1
+      grads = tuple(g.sum(axis, keepdims=True) for g in grads)
+    return grads
 
   def layer_data(self, captures, cotangents, weights=None):
     """``{layer name: LayerData}`` for every detected layer, in the form
@@ -289,13 +302,15 @@ class TaggedLoss:
       if l.block is None:
         raise ValueError(f"layer {l.name!r} has no block: call layer_data "
                          "on tagged.with_blocks(...)")
+      w = weights
+      if l.row_uses and weights is not None:  # Spread evenly.
+        w = jnp.mean(weights, keepdims=True)
       if l.block.consumes == B.GRADIENTS:
         out[l.name] = B.LayerData(
-            weights=weights, grads=self._gradients(l, captures, cotangents))
+            weights=w, grads=self._gradients(l, captures, cotangents))
       else:
         inputs, cots = self._data(l, captures, cotangents)
-        out[l.name] = B.LayerData(inputs=inputs, cotangents=cots,
-                                  weights=weights)
+        out[l.name] = B.LayerData(inputs=inputs, cotangents=cots, weights=w)
     return out
 
   def fallback_data(self, param_grads):
@@ -323,6 +338,8 @@ class TaggedLoss:
           g = jnp.moveaxis(g, 0, 2)
         g = g.reshape(g.shape[:2] + shape)
         out[path] = g if has_samples else g[0]
+    # A layer of ``row_uses`` gives one pseudo-example: the sum over the
+    # batch of the per-example gradients, ``[S?, 1, *shape]``.
     return out
 
 

@@ -95,3 +95,77 @@ def apply_layout(view, eqn):
     return None
   dims = tuple(None if m is None else view.dims[m] for m in mapping)
   return dataclasses.replace(view, dims=dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class Regrouped:
+  """A kernel reshaped so that some of its axes are split or merged
+  (``W.reshape(d, heads, head_dim)``, ``conv_kernel.reshape(-1, c_out)``).
+
+  ``groups``: per axis of the variable, the index of its group;
+  ``real``: per group, the (consecutive) leaf axes it is made of. Axes of
+  one group flatten, in order, to the group's leaf axes flattened in order
+  (row-major), so data laid out over a group's axes reshapes to the leaf's.
+  Only dense kernels (``dot_general``) use it; anything else applied to it
+  is an unmatched use.
+  """
+
+  leaf: int
+  leaf_shape: tuple
+  shape: tuple
+  groups: tuple
+  real: tuple
+  how: str
+  stacked: tuple = ()
+
+  @property
+  def pure(self):
+    return False
+
+
+def _reshape_groups(in_shape, out_shape):
+  """Pairs ``(in axes, out axes)`` of consecutive axes with equal sizes
+  that a row-major reshape maps onto each other, or None."""
+  pairs, i, j = [], 0, 0
+  while i < len(in_shape) or j < len(out_shape):
+    gi, gj = [i], [j]
+    if i >= len(in_shape) or j >= len(out_shape):
+      return None
+    a, b = in_shape[i], out_shape[j]
+    while a != b:
+      if a < b:
+        i += 1
+        if i >= len(in_shape):
+          return None
+        gi.append(i)
+        a *= in_shape[i]
+      else:
+        j += 1
+        if j >= len(out_shape):
+          return None
+        gj.append(j)
+        b *= out_shape[j]
+    pairs.append((tuple(gi), tuple(gj)))
+    i, j = i + 1, j + 1
+  return pairs
+
+
+def regroup(view, eqn):
+  """The ``Regrouped`` view of a ``reshape`` of an unstacked, untransposed
+  leaf that only splits or merges axes, or None."""
+  if (eqn.primitive.name != "reshape" or eqn.params.get("dimensions")
+      is not None or not isinstance(view, View) or view.stacked
+      or view.dims != tuple(range(len(view.leaf_shape)))):
+    return None
+  in_shape = tuple(eqn.invars[0].aval.shape)
+  out_shape = tuple(eqn.outvars[0].aval.shape)
+  pairs = _reshape_groups(in_shape, out_shape)
+  if pairs is None:
+    return None
+  groups = [None] * len(out_shape)
+  for g, (_, outs) in enumerate(pairs):
+    for j in outs:
+      groups[j] = g
+  return Regrouped(view.leaf, view.leaf_shape, out_shape, tuple(groups),
+                   tuple(ins for ins, _ in pairs),
+                   f"reshaped by `reshape` {in_shape} -> {out_shape}")

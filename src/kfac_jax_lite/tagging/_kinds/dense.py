@@ -90,6 +90,9 @@ class DenseSpec(LayerSpec):
         roles.append("lookup")
       elif u.config["in_axes"] == canon:
         roles.append("normal")
+      elif "virtual" in u.config:
+        raise Unsupported("a reshaped kernel contracted along other axes "
+                          "than its other uses")
       elif u.config["in_axes"] == comp:
         roles.append("swapped")
       else:
@@ -135,6 +138,17 @@ class DenseSpec(LayerSpec):
       ids = F.arranged(use, cap, out=False)[..., use.config["id_pos"]]
       cot = F.arranged(use, ct, rest, samples=True)
       return F.one_hot(ids, self.kernel_shape[0], cot.dtype), cot
+    if role == "normal" and "virtual" in use.config:
+      # A reshaped kernel: arranged over its reshaped axes, whose trailing
+      # groups flatten to the kernel's own input / output axes.
+      vin, vout = use.config["virtual"]
+      k = self.kernel_shape
+      inp = F.arranged(use, cap, vin, out=False)
+      cot = F.arranged(use, ct, vout, samples=True)
+      return (inp.reshape(inp.shape[:inp.ndim - len(vin)]
+                          + tuple(k[a] for a in self.in_axes)),
+              cot.reshape(cot.shape[:cot.ndim - len(vout)]
+                          + tuple(k[a] for a in self.out_axes)))
     if role == "normal":
       return (F.arranged(use, cap, canon, out=False),
               F.arranged(use, ct, rest, samples=True))

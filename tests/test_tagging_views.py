@@ -1,0 +1,121 @@
+"""Kernels reshaped before use keep a Kronecker block over their own axes.
+
+``W.reshape(d, heads, head_dim)`` in an einsum (an output axis split),
+``conv_kernel.reshape(-1, c_out)`` (input axes merged): the block is the
+dense block of the kernel as stored, with the data arranged over the
+reshaped axes and regrouped. The per-example gradients rebuilt from the
+captures are those of ``jax.vmap(jax.grad(...))``, and a convolution with
+one output location preconditions exactly like the dense layer written
+with its reshaped kernel.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import kfac_jax_lite as kfl
+from _helpers import x64_mode
+from kfac_jax_lite.tagging import describe, find_layers
+
+N, T, D, HEADS, E = 3, 4, 6, 2, 3
+
+
+def _params(dtype):
+  k = jax.random.split(jax.random.key(0), 4)
+  return {"wq": jax.random.normal(k[0], (D, HEADS * E), dtype) / 2,
+          "wo": jax.random.normal(k[1], (HEADS * E, 2), dtype) / 2,
+          "kc": jax.random.normal(k[2], (2, 2, 3, 4), dtype) / 3,
+          "bc": 0.1 * jnp.ones(4, dtype)}
+
+
+def _net(p, x, im):
+  q = jnp.einsum("ntd,dhe->nthe", x, p["wq"].reshape(D, HEADS, E))
+  o = jnp.einsum("nthe,hej->ntj", jnp.tanh(q), p["wo"].reshape(HEADS, E, 2))
+  z = im.reshape(im.shape[0], -1) @ p["kc"].reshape(-1, 4) + p["bc"]
+  return o, z
+
+
+def _loss(p, batch):
+  o, z = _net(p, *batch)
+  return 0.5 * jnp.mean(jnp.sum(o ** 2, (1, 2)) + jnp.sum(z ** 2, 1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_reshaped_kernels_rebuild_per_example_gradients(dtype):
+  with x64_mode(dtype == "float64"):
+    dt = jnp.dtype(dtype)
+    p = _params(dt)
+    k = jax.random.split(jax.random.key(1), 2)
+    batch = (jax.random.normal(k[0], (N, T, D), dt),
+             jax.random.normal(k[1], (N, 2, 2, 3), dt))
+    rows = describe(_loss, p, batch)
+    assert [(r.name, r.kind, r.block, r.params, r.factors) for r in rows] == [
+        ("kc", "dense", "KroneckerDense", ("kc", "bc"), ((1, 13, 13), (1, 4, 4))),
+        ("wo", "dense", "KroneckerDense", ("wo",), ((1, 6, 6), (1, 2, 2))),
+        ("wq", "dense", "KroneckerDense", ("wq",), ((1, 6, 6), (1, 6, 6)))], str(rows)
+    tl = find_layers(_loss, p, batch)
+    probes = tl.zero_probes(p, batch)
+
+    def f(pp, pr):
+      l, _, caps = tl.apply(pp, batch, pr)
+      return l, caps
+    l, vjp, caps = jax.vjp(f, p, probes, has_aux=True)
+    _, cts = vjp(jnp.ones_like(l))
+    per_ex = tl.per_example_grads(caps, {k: v * N for k, v in cts.items()})
+    ref = jax.vmap(lambda a, b: jax.grad(_loss)(p, (a[None], b[None])))(*batch)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    assert set(per_ex) == set(ref)
+    for path, g in per_ex.items():
+      assert g.dtype == dt
+      np.testing.assert_allclose(g, ref[path], rtol=100 * tol, atol=tol,
+                                 err_msg=path)
+
+
+def test_reshape_that_mixes_groups_falls_back():
+  # Contracting one of the axes a reshape split off is not a dense layer of
+  # the stored kernel.
+  p = {"w": jnp.ones((6, 4)) / 6}
+
+  def loss(p, x):
+    return jnp.mean(jnp.einsum("nh,hed->ned", x, p["w"].reshape(2, 3, 4)) ** 2)
+  (row,) = describe(loss, p, jnp.ones((3, 2)))
+  assert row.kind == "fallback" and "part of a reshaped axis" in row.notes
+
+
+def test_one_location_conv_equals_dense_with_reshaped_kernel():
+  # DESIGN: a conv whose output is one location is the same block as the
+  # equivalent dense layer, also when that dense layer's kernel is the conv
+  # kernel reshaped. Same statistics, same K-FAC update.
+  k = jax.random.split(jax.random.key(2), 4)
+  p = {"k": jax.random.normal(k[0], (2, 2, 3, 4)) / 3, "b": 0.1 * jnp.ones(4)}
+  im = jax.random.normal(k[1], (8, 2, 2, 3))
+  t = jax.random.normal(k[2], (8, 4))
+
+  def conv_loss(p, batch):
+    im, t = batch
+    y = lax.conv_general_dilated(im, p["k"], (1, 1), "VALID",
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return kfl.squared_error((y + p["b"]).reshape(-1, 4), t).mean()
+
+  def dense_loss(p, batch):
+    im, t = batch
+    y = im.reshape(im.shape[0], -1) @ p["k"].reshape(-1, 4) + p["b"]
+    return kfl.squared_error(y, t).mean()
+  for loss, kind in ((conv_loss, "conv"), (dense_loss, "dense")):
+    rows = describe(loss, p, (im, t))
+    assert [(r.kind, r.params) for r in rows] == [(kind, ("k", "b"))], rows
+  updates = []
+  for loss in (conv_loss, dense_loss):
+    tx = kfl.kfac(loss, (im, t), estimation="exact", damping=1e-2,
+                  norm_constraint=None)
+    state = tx.init(p)
+    g = jax.grad(loss)(p, (im, t))
+    u, state = tx.update(g, state, p, batch=(im, t))
+    updates.append(u)
+  for name in ("k", "b"):
+    np.testing.assert_allclose(updates[0][name], updates[1][name], rtol=1e-4,
+                               atol=1e-6, err_msg=name)
+    assert np.abs(updates[0][name] - jax.grad(dense_loss)(p, (im, t))[name]
+                  ).max() > 1e-3   # Preconditioned, not the gradient.
