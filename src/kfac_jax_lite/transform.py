@@ -5,10 +5,10 @@
 
 Each ``update``:
 
-1. every ``cov_every`` steps, estimates the statistics of every block on
-   ``batch`` (its first ``stats_fraction`` share), or takes ``stats=`` from
-   ``kfl.value_grad_and_stats`` so the forward pass is shared with the
-   gradient; averages them over ``axis_name`` (``pmap``/``shard_map``);
+1. every ``cov_every`` steps, takes ``stats=`` from
+   ``kfl.value_grad_and_stats`` (the forward pass shared with the
+   gradient: the README's way), or estimates the statistics of every block
+   on ``batch=`` (its first ``stats_fraction`` share); averages them over ``axis_name`` (``pmap``/``shard_map``);
    folds them into the factors' EMA (decay ``cov_decay``);
 2. every ``inverse_every`` steps (from step 0) and, while the statistics
    are young, at steps 1, 2, 4, 8, ... below ``inverse_every``
@@ -42,8 +42,17 @@ gradient is (a broken cache) falls back to the raw gradient and counts in
 with non-finite parameters (the run has diverged). Factors are kept in
 the parameters' dtype, at least float32 (``float_dtype``).
 
+Damping reaches the preconditioner one of two ways: π mode (and diagonal
+blocks) bakes the refresh's ``λ`` into the cached inverses, so a new
+per-call or scheduled ``λ`` takes effect at the next refresh; ``"exact"``
+mode uses each call's ``λ``.
+
 Everything lives in ``KfacState``; ``init`` and ``update`` are pure and
-trace to one program (``lax.cond`` for the periodic work).
+trace to one program. ``update`` runs the stages below in turn
+(``statistics``, ``accumulate``, ``refresh``, ``precondition``, ``clip``,
+``guard``); one ``lax.cond`` gates all refreshes and returns only the
+caches, so a step without a refresh moves no covariance through a
+conditional (``cov_every > 1`` adds one around the statistics).
 """
 from __future__ import annotations
 
