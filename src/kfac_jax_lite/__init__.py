@@ -1,8 +1,21 @@
 """kfac_jax_lite: Kronecker-factored curvature for JAX, as pure functions.
 
-Layers (see ``DESIGN``): the math core (``factor``), the curvature blocks
-(``blocks``), and — built on them — tagging, estimators and the optax
-transforms.
+The modules, each built on the ones before it (README.md gives the user's
+view):
+
+* ``factor.py`` — the math core: ``FactorState`` and the pure functions on
+  it (EMA covariances, damped powers, cached decompositions);
+* ``blocks/`` — one curvature block per layer kind (Kronecker dense, conv,
+  embedding; diagonal, full, ...), each owning its statistics;
+* ``tagging/`` — finds the layers in a traced loss and rewrites it to
+  expose their inputs and output cotangents;
+* ``estimators.py`` — the loss, gradient and statistics from one forward
+  pass (``value_grad_and_stats``);
+* ``transform.py`` — ``kfac``, the preconditioner as an optax transform,
+  and its named stages; ``optimizer.py`` — ``kfac_optimizer``, Martens &
+  Grosse's optimizer with adaptive damping;
+* ``laplace/`` — Laplace posteriors from the same curvature; ``health.py``
+  — the health counters of a state.
 """
 from kfac_jax_lite import blocks
 from kfac_jax_lite.blocks import (

@@ -289,28 +289,136 @@ def _float(dtype):
   return jnp.result_type(jnp.float32, dtype)
 
 
-def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
-                         num_samples=1, has_aux=False, blocks=None,
-                         exclude=(), weight_sharing="expand",
-                         damping_mode="pi"):
-  """``fn(params, batch, key) -> Estimate`` for ``loss_fn``.
+def stats_batch_size(batch, fraction, where="kfac"):
+  """The number of examples the statistics see: ``round(N · fraction)``.
 
-  Traces ``loss_fn(params, batch)`` once here to find its layers
-  (``fn.tagged`` holds them and their blocks, chosen by ``blocks``,
-  ``weight_sharing`` and ``damping_mode`` as in ``kfl.kfac``); ``fn`` is
-  pure and jittable. The loss and gradient equal
-  ``jax.value_and_grad(loss_fn)``'s. ``fn(params, batch, key, states=None)``:
-  ``states`` (a ``kfl.kfac`` state's ``blocks``) is needed by blocks whose
-  statistics depend on their state (``"ekfac"``).
+  ``batch``: the batch (arrays sharing a leading batch size ``N``);
+  ``fraction``: the share in ``(0, 1]``; ``where``: the caller, named in
+  errors. Returns None for ``fraction = 1`` and a batch without one
+  leading size (the statistics then see the whole batch, whatever it is).
+  Raises ``ValueError`` for an empty batch, and for a ``fraction`` that
+  leaves fewer than 2 examples (one example's statistics are a rank-one
+  curvature: its damped inverse blows the update up by ``1/damping``).
+  """
+  n = tagging.batch_size(batch)
+  if n is None:
+    if fraction < 1.0:
+      raise ValueError(f"{where}: stats_fraction < 1 needs batch arrays that "
+                       "share one leading batch size")
+    return None
+  if n == 0:
+    raise ValueError(f"{where}: the batch is empty (its arrays have a leading "
+                     "batch size of 0)")
+  if fraction >= 1.0:
+    return n
+  k = int(round(n * fraction))
+  if k < 2:
+    raise ValueError(
+        f"{where}: stats_fraction={fraction} leaves {k} example(s) of a "
+        f"batch of {n} for the statistics; they need at least 2 (use a "
+        "larger stats_fraction or batch)")
+  return k
+
+
+def stats_slice(batch, fraction, where="kfac"):
+  """The first ``stats_batch_size(batch, fraction)`` examples of ``batch``
+  (scalars are kept as they are); the whole batch for ``fraction = 1``."""
+  if fraction >= 1.0:
+    return batch
+  k = stats_batch_size(batch, fraction, where)
+  return jax.tree.map(lambda x: x[:k] if jnp.ndim(x) else x, batch)
+
+
+def check_stats_fraction(stats_fraction):
+  """A ``stats_fraction`` must be in ``(0, 1]``."""
+  if not 0 < stats_fraction <= 1:
+    raise ValueError(f"stats_fraction must be in (0, 1], got {stats_fraction!r}")
+
+
+def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
+                         num_samples=1, stats_fraction=1.0, has_aux=False,
+                         blocks=None, exclude=(), weight_sharing="expand",
+                         damping_mode="pi"):
+  """``fn(params, batch, key) -> Estimate``: the loss, its gradient and the
+  curvature statistics of every block, for ``kfac``'s ``update(..., stats=)``.
+
+      est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
+      est = est_fn(params, batch, key)           # in the jitted step
+      updates, state = tx.update(est.grads, state, params, stats=est.stats)
+
+  ``est.loss`` and ``est.grads`` equal ``jax.value_and_grad(loss_fn)(params,
+  batch)`` (``est.aux`` the auxiliary output with ``has_aux``); ``est.stats``
+  maps each block name to its statistics, ``est.weights`` are the examples'
+  loss weights ``c_i`` (module docstring). With ``stats_fraction = 1`` all of
+  it comes from one forward pass (one ``jax.vjp``: the gradient's backward
+  pass and the statistics' sampled one share its residuals), the cheapest
+  way to feed ``kfl.kfac``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
+      ``has_aux``); traced once here, at ``params`` and ``batch`` (arrays or
+      ``jax.ShapeDtypeStruct``s), to find its layers. ``fn.tagged`` holds
+      them with their blocks; ``fn`` is pure and jittable and takes any
+      batch of the same structure.
+    estimation: how the output cotangents behind the statistics are drawn
+      (module docstring): ``"fisher"`` (targets sampled from the model's
+      registered predictive distribution: the true Fisher), ``"empirical"``
+      (the data targets; works without a registered loss),
+      ``"curvature_prop"`` (Rademacher projections of a square root of the
+      output Fisher), ``"exact"`` (all its columns: the exact Kronecker
+      factors, cost × output size), and ``"curvature_prop_ggn"``,
+      ``"exact_ggn"`` (the same with the output Hessian: the GGN).
+    num_samples: draws per example for the sampled modes (``"fisher"``,
+      ``"curvature_prop"``); the statistics average them. Must be 1 for the
+      others to mean anything (they ignore it but for its check).
+    stats_fraction: the share ``f`` in ``(0, 1]`` of each batch the
+      statistics are computed on: its first ``round(N·f)`` examples, at least
+      2 (Martens & Grosse use 1/8). The loss and gradient always use the
+      whole batch. The statistics are then exactly those of
+      ``kfl.kfac(..., stats_fraction=f)`` with ``batch=``: ``loss_fn`` on the
+      first examples gives their weights ``c_i`` (1/k for a mean over the
+      slice). They take their own forward pass on the slice (``f·2·M·a·b``
+      FLOPs per dense layer, ``a``/``b`` its input/output sizes, ``M`` the
+      batch), because a generic ``loss_fn`` cannot be split: sharing the
+      whole batch's forward pass instead would need the sampled backward
+      pass over all ``M`` examples (``2·M·a·b`` rather than ``f·2·M·a·b``),
+      the dearer choice for any ``f < 1/2``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    blocks: curvature block overrides per parameter path or layer kind, as
+      in ``kfl.kfac`` (see ``kfl.find_layers``); ``exclude``: parameter
+      paths (or patterns) left out of the curvature (their gradient passes
+      through).
+    weight_sharing: ``"expand"`` or ``"reduce"`` (Eschenhagen et al. 2023)
+      for layers applied over extra axes (sequence positions), as in
+      ``kfl.kfac``; it must match the transform's for the statistics to fit
+      its blocks.
+    damping_mode: ``"pi"`` or ``"exact"``, as in ``kfl.kfac``: it chooses
+      the blocks' caches, so it must match the transform's too.
+
+  Returns:
+    ``fn(params, batch, key, states=None) -> Estimate`` (``key`` a PRNG key
+    for the sampled modes; ``states``, a ``kfl.kfac`` state's ``blocks``, is
+    needed by blocks whose statistics depend on their state, ``"ekfac"``),
+    with ``fn.tagged``.
   """
   check_estimation(estimation, num_samples)
+  check_stats_fraction(stats_fraction)
+  stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)")
   tagged = tagging.find_layers(
       loss_fn, params, batch, has_aux=has_aux, exclude=exclude).with_blocks(
           blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
 
   def fn(params, batch, key, states=None):
-    return estimate(tagged, params, batch, key, estimation=estimation,
-                    num_samples=num_samples, states=states)
+    if stats_fraction >= 1.0:
+      return estimate(tagged, params, batch, key, estimation=estimation,
+                      num_samples=num_samples, states=states)
+    part = estimate(tagged, params,
+                    stats_slice(batch, stats_fraction, "value_grad_and_stats"),
+                    key, estimation=estimation, num_samples=num_samples,
+                    states=states)
+    out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
+    loss, aux = out if has_aux else (out, None)
+    return Estimate(loss, aux, grads, part.stats, part.weights)
 
   fn.tagged = tagged
   return fn

@@ -98,13 +98,49 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
                    curvature="ggn", use_momentum=True, max_momentum=0.99,
                    has_aux=False, **kfac_options
                    ) -> optax.GradientTransformationExtraArgs:
-  """The Martens–Grosse K-FAC optimizer; see the module docstring.
+  """The Martens–Grosse K-FAC optimizer (module docstring).
 
-  ``kfac_options`` go to ``kfl.kfac`` (``estimation``, ``cov_decay``,
-  ``inverse_every``, ``damping_mode``, ``blocks``, ``axis_name``, ...), except
-  ``damping``, which this optimizer adapts. ``max_momentum``: the momentum
-  ``μ`` of the quadratic model is kept in ``[0, max_momentum]`` (and ``α``
-  re-minimised for the clipped ``μ``).
+      opt = kfl.kfac_optimizer(loss_fn, batch)
+      state = opt.init(params)
+      step, state = opt.update(grads, state, params, batch=batch)
+      params = optax.apply_updates(params, step)   # no learning rate
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
+      ``has_aux``), computed with a registered loss
+      (``kfl.softmax_cross_entropy``, ...): the quadratic model needs its
+      output curvature.
+    example_batch: a batch (arrays or ``jax.ShapeDtypeStruct``s), only
+      traced to find the layers.
+    initial_damping: the starting ``λ`` of the Levenberg–Marquardt
+      adaptation; the preconditioner is ``(F̂ + (λ + l2_reg) I)⁻¹``. In π
+      mode (``kfl.kfac``'s default) an adapted ``λ`` reaches the cached
+      inverses at their next refresh (``inverse_every``); the quadratic
+      model uses the current ``λ`` at every step.
+    min_damping, max_damping: the range ``λ`` is clipped to.
+    damping_decay: ``ω`` per step: every ``damping_adaptation_interval``
+      (``T₁``) steps ``λ`` is multiplied by ``ω^{T₁}`` when ``ρ > ¾`` and
+      divided by it when ``ρ < ¼``; in ``(0, 1)``.
+    damping_adaptation_interval: ``T₁``, a positive int; on those steps the
+      loss is evaluated at the new parameters (one more forward pass).
+    l2_reg: ``η ≥ 0``, an L2 regularisation the loss does not contain,
+      added to the quadratic model's curvature (and to the damping).
+    curvature: the quadratic model's curvature, ``"ggn"`` (``Jᵀ H J``, the
+      output Hessian) or ``"fisher"`` (the output Fisher); the same for
+      losses in natural parameters.
+    use_momentum: whether the quadratic model also chooses a momentum
+      ``μ`` along the previous update (else ``μ = 0``).
+    max_momentum: ``μ`` is kept in ``[0, max_momentum]`` (and ``α``
+      re-minimised for the clipped ``μ``); in ``[0, 1)``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    **kfac_options: passed to ``kfl.kfac`` (``estimation``, ``num_samples``,
+      ``cov_decay``, ``inverse_every``, ``damping_mode``, ``stats_fraction``,
+      ``blocks``, ``exclude``, ``axis_name``, ``inverse_method``, ...), but
+      not ``damping``, which this optimizer adapts.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update(grads,
+    state, params, *, batch)`` returns the whole step ``αΔ + μδ``.
   """
   if curvature not in ("ggn", "fisher"):
     raise ValueError(f"curvature must be 'ggn' or 'fisher', got {curvature!r}")

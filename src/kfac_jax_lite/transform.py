@@ -5,10 +5,10 @@
 
 Each ``update``:
 
-1. every ``cov_every`` steps, estimates the statistics of every block on
-   ``batch`` (its first ``stats_fraction`` share), or takes ``stats=`` from
-   ``kfl.value_grad_and_stats`` so the forward pass is shared with the
-   gradient; averages them over ``axis_name`` (``pmap``/``shard_map``);
+1. every ``cov_every`` steps, takes ``stats=`` from
+   ``kfl.value_grad_and_stats`` (the forward pass shared with the
+   gradient: the README's way), or estimates the statistics of every block
+   on ``batch=`` (its first ``stats_fraction`` share); averages them over ``axis_name`` (``pmap``/``shard_map``);
    folds them into the factors' EMA (decay ``cov_decay``);
 2. every ``inverse_every`` steps (from step 0) and, while the statistics
    are young, at steps 1, 2, 4, 8, ... below ``inverse_every``
@@ -42,11 +42,21 @@ gradient is (a broken cache) falls back to the raw gradient and counts in
 with non-finite parameters (the run has diverged). Factors are kept in
 the parameters' dtype, at least float32 (``float_dtype``).
 
+Damping reaches the preconditioner one of two ways: π mode (and diagonal
+blocks) bakes the refresh's ``λ`` into the cached inverses, so a new
+per-call or scheduled ``λ`` takes effect at the next refresh; ``"exact"``
+mode uses each call's ``λ``.
+
 Everything lives in ``KfacState``; ``init`` and ``update`` are pure and
-trace to one program (``lax.cond`` for the periodic work).
+trace to one program. ``update`` runs the stages below in turn
+(``statistics``, ``accumulate``, ``refresh``, ``precondition``, ``clip``,
+``guard``); one ``lax.cond`` gates all refreshes and returns only the
+caches, so a step without a refresh moves no covariance through a
+conditional (``cov_every > 1`` adds one around the statistics).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -78,40 +88,6 @@ def float_dtype(tree):
       if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)])
 
 
-def stats_batch_size(batch, fraction, where="kfac"):
-  """The number of examples the statistics see: ``round(N · fraction)``.
-
-  Raises ``ValueError`` for an empty batch, and for a ``fraction`` that
-  leaves fewer than 2 examples (one example's statistics are a rank-one
-  curvature: its damped inverse blows the update up by ``1/damping``).
-  """
-  n = tagging.batch_size(batch)
-  if n is None:
-    if fraction < 1.0:
-      raise ValueError(f"{where}: stats_fraction < 1 needs batch arrays that "
-                       "share one leading batch size")
-    return None
-  if n == 0:
-    raise ValueError(f"{where}: the batch is empty (its arrays have a leading "
-                     "batch size of 0)")
-  if fraction >= 1.0:
-    return n
-  k = int(round(n * fraction))
-  if k < 2:
-    raise ValueError(
-        f"{where}: stats_fraction={fraction} leaves {k} example(s) of a "
-        f"batch of {n} for the statistics; they need at least 2 (use a "
-        "larger stats_fraction or batch)")
-  return k
-
-
-def _slice_batch(batch, fraction):
-  if fraction >= 1.0:
-    return batch
-  k = stats_batch_size(batch, fraction)
-  return jax.tree.map(lambda x: x[:k] if jnp.ndim(x) else x, batch)
-
-
 def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):
   """``tagging.find_layers`` (the detection, no blocks), once per params
   structure, shapes and dtypes."""
@@ -131,28 +107,25 @@ def _per_slice(layer, fn):
   return lambda st, *a: fn(st, layer.block, *a)
 
 
-class _Layers:
-  """The layers of one params structure with their blocks, and helpers."""
-
-  def __init__(self, tagged: tagging.TaggedLoss):
-    self.tagged = tagged
-    self.layers = tagged.layers
-
-  def init(self, params):
-    """Every block's empty state, in its parameters' ``float_dtype``."""
-    leaves = jax.tree.leaves(params)
-    return {l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))
-            for l in self.layers}
-
-  def vectors(self, layer, leaves):
-    return tuple(leaves[i].reshape(s)
-                 for i, s in zip(layer.leaves, layer.block.param_shapes))
+def _is_factor(x):
+  return isinstance(x, fac.FactorState)
 
 
 def _factors(block_state):
-  is_factor = lambda x: isinstance(x, fac.FactorState)
-  return [f for f in jax.tree.leaves(block_state, is_leaf=is_factor)
-          if is_factor(f)]
+  return [f for f in jax.tree.leaves(block_state, is_leaf=_is_factor)
+          if _is_factor(f)]
+
+
+def _caches(block_state):
+  """The ``FactorCache``s of a block state, in its structure."""
+  return jax.tree.map(lambda f: f.cache if _is_factor(f) else f, block_state,
+                      is_leaf=_is_factor)
+
+
+def _with_caches(block_state, caches):
+  """``block_state`` with its factors' caches replaced by ``caches``."""
+  return jax.tree.map(lambda f, c: f._replace(cache=c) if _is_factor(f) else f,
+                      block_state, caches, is_leaf=_is_factor)
 
 
 def has_statistics(block_state):
@@ -189,16 +162,6 @@ def _owner_mask(index, axis_name):
   return jax.lax.axis_index(axis_name) == index % n
 
 
-def _share_caches(refreshed, old, mine, axis_name):
-  """Every device gets the owner's refreshed caches (a psum of one share)."""
-  def share(new_f, old_f):
-    return old_f._replace(cache=jax.tree.map(
-        lambda x: jax.lax.psum(jnp.where(mine, x, jnp.zeros_like(x)),
-                               axis_name), new_f.cache))
-  is_factor = lambda x: isinstance(x, fac.FactorState)
-  return jax.tree.map(share, refreshed, old, is_leaf=is_factor)
-
-
 def _check_damping(damping, where="kfac"):
   """A constant damping must be a positive finite number; a schedule is
   checked at step 0 when it can be evaluated there."""
@@ -217,6 +180,133 @@ def _check_damping(damping, where="kfac"):
                      f"{value!r}{' (the schedule at step 0)' if callable(damping) else ''}")
 
 
+# ------------------------------------------------------------------ stages
+# One ``update`` is these stages in turn (``kfac``'s ``update_fn``); each is
+# a pure function of the layers (``tagged.layers``, each with its block)
+# and the block states ``{layer name: block state}``.
+
+def statistics(tagged, params, batch, key, states, *, estimation,
+               num_samples, stats_fraction, axis_name=None):
+  """Every block's statistics on the first ``stats_fraction`` of ``batch``
+  (``estimators.estimate``), averaged over ``axis_name`` when given."""
+  stats = estimators.estimate(
+      tagged, params, estimators.stats_slice(batch, stats_fraction), key,
+      estimation=estimation, num_samples=num_samples, states=states).stats
+  return jax.lax.pmean(stats, axis_name) if axis_name else stats
+
+
+def accumulate(layers, states, stats, cov_decay):
+  """Folds ``stats`` into every block's factors (EMA of decay ``cov_decay``;
+  non-finite statistics leave a factor as it was)."""
+  return {l.name: l.block.update(states[l.name], stats[l.name], cov_decay)
+          for l in layers}
+
+
+def _refreshed_caches(block_state, block, *, damping, precon_power, step,
+                      inverse_method):
+  """One (unstacked) block's caches after a refresh; a block whose factors
+  have no statistics yet keeps its caches (it stays not ready) rather than
+  cache a decomposition of the damping alone."""
+  new = _caches(block.refresh(block_state, damping, precon_power, step=step,
+                              method=inverse_method))
+  old = _caches(block_state)
+  ok = has_statistics(block_state)
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
+            inverse_method, axis_name=None):
+  """Refreshes the cached decompositions at ``damping`` where needed.
+
+  With a good damping (``damping_ok``), block ``i`` is refreshed when
+  ``due`` (a refresh step, ``is_refresh_step``) or while it is not ready (no
+  decomposition of real statistics yet), as soon as its factors have
+  statistics; ``step`` is recorded in the caches. One ``lax.cond`` gates the work of all blocks, and it
+  returns only the caches (``FactorCache``s), not the covariances: a step
+  without a refresh then moves no curvature data through a conditional.
+  Under ``axis_name`` each device refreshes only its share (block ``i`` on
+  device ``i mod n``) and the caches are shared with a ``psum``.
+  """
+  needs = [damping_ok & (due | ~jnp.all(
+      _per_slice(l, lambda s, b: is_ready(s))(states[l.name]))) for l in layers]
+  if not layers:
+    return states
+
+  def run(states):
+    out = {}
+    for i, (l, need) in enumerate(zip(layers, needs)):
+      st = states[l.name]
+      fn = _per_slice(l, functools.partial(
+          _refreshed_caches, damping=damping, precon_power=precon_power,
+          step=step, inverse_method=inverse_method))
+      if axis_name is None:
+        new = fn(st)
+      else:  # Refreshed on its owner, then shared.
+        mine = _owner_mask(i, axis_name)
+        new = jax.lax.cond(mine, fn, _caches, st)
+        new = jax.tree.map(lambda x: jax.lax.psum(
+            jnp.where(mine, x, jnp.zeros_like(x)), axis_name), new)
+      out[l.name] = jax.tree.map(lambda n, o: jnp.where(need, n, o), new,
+                                 _caches(st))
+    return out
+
+  def keep(states):
+    return {l.name: _caches(states[l.name]) for l in layers}
+
+  caches = jax.lax.cond(jnp.any(jnp.stack(needs)), run, keep, states)
+  return {name: (_with_caches(st, caches[name]) if name in caches else st)
+          for name, st in states.items()}
+
+
+def _preconditioned(block_state, block, vectors, *, damping, precon_power):
+  """``(F + λI)^p v`` from the cache; the gradient as it is while the block
+  is not ready."""
+  u = block.multiply_matpower(block_state, vectors, damping, precon_power,
+                              use_cache=True)
+  ready = is_ready(block_state)
+  return tuple(jnp.where(ready, x, y.astype(x.dtype))
+               for x, y in zip(u, vectors))
+
+
+def precondition(layers, states, grad_leaves, damping, precon_power):
+  """The flat list of updates: each layer's leaves preconditioned by its
+  block, the other leaves (excluded or fallback-free) as they are."""
+  out = list(grad_leaves)
+  for l in layers:
+    vectors = tuple(grad_leaves[i].reshape(s)
+                    for i, s in zip(l.leaves, l.block.param_shapes))
+    u = _per_slice(l, functools.partial(
+        _preconditioned, damping=damping, precon_power=precon_power))(
+            states[l.name], vectors)
+    for i, x in zip(l.leaves, u):
+      out[i] = x.reshape(grad_leaves[i].shape).astype(grad_leaves[i].dtype)
+  return out
+
+
+def clip(updates, grad_leaves, norm_constraint, dtype):
+  """KL clipping (Ba et al. 2017): ``u · min(1, √(norm_constraint / ⟨u, g⟩))``
+  (unchanged when ``⟨u, g⟩ ≤ 0`` or ``norm_constraint`` is None)."""
+  if norm_constraint is None:
+    return updates
+  inner = sum(jnp.vdot(u.astype(dtype), g.astype(dtype))
+              for u, g in zip(updates, grad_leaves))
+  scale = jnp.where(inner > 0, jnp.sqrt(norm_constraint / jnp.where(
+      inner > 0, inner, 1)), 1.0)
+  scale = jnp.minimum(1.0, scale)
+  return [(u * scale).astype(u.dtype) for u in updates]
+
+
+def guard(updates, grad_leaves, damping_ok):
+  """``(updates, grads_ok, update_ok)``: a zero update for non-finite
+  gradients or a bad damping, the gradient for a non-finite update."""
+  grads_ok = fac.all_finite(grad_leaves)
+  update_ok = fac.all_finite(updates)
+  good = grads_ok & damping_ok
+  out = [jnp.where(good, jnp.where(update_ok, u, g), jnp.zeros_like(g))
+         for u, g in zip(updates, grad_leaves)]
+  return out, grads_ok, update_ok
+
+
 DEFAULT_DAMPING = 1e-3
 DEFAULT_NORM_CONSTRAINT = 0.1
 
@@ -228,32 +318,90 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
          blocks=None, exclude=(), weight_sharing="expand", axis_name=None,
          has_aux=False, seed=0, inverse_method="auto"
          ) -> optax.GradientTransformationExtraArgs:
-  """The K-FAC preconditioner; see the module docstring.
+  """The K-FAC preconditioner as an optax transformation (module docstring).
 
-  ``stats_fraction`` applies to statistics computed here from ``batch=``;
-  ``stats=`` from ``kfl.value_grad_and_stats`` are used as given.
-  ``loss_fn(params, batch)`` returns the loss (``(loss, aux)`` with
-  ``has_aux``); ``example_batch`` (arrays or ``jax.ShapeDtypeStruct``s) is
-  only traced to find the layers. ``blocks``/``exclude`` override the
-  detected blocks per path or kind (see ``kfl.find_layers``);
-  ``blocks={"dense": "ekfac", "conv": "ekfac"}`` selects eigenvalue-corrected
-  K-FAC (``kfl.blocks.EkfacDense``/``EkfacConv``) for those layers.
-  ``update(grads, state, params, *, batch=None, stats=None, damping=None)``;
-  a ``damping`` given there overrides the configured one for that step.
-  ``inverse_method``: how each refresh computes the damped inverses
-  ``(C + d·I)⁻¹`` of the π-damped factors (``precon_power=-1``):
-  ``"gauss_jordan"`` (blocked Gauss–Jordan elimination, XLA matrix products
-  only, 2n³ flops), ``"cholesky"`` (LAPACK/cuSOLVER ``L Lᵀ``, then ``L⁻ᵀL⁻¹``),
-  ``"newton_schulz"`` (``X ← X + X(I − (C + d·I)X)`` from the previous
-  inverse, Gauss–Jordan when that does not converge), ``"eigh"``; ``"auto"``
-  (default): ``"gauss_jordan"`` on CPU, ``"cholesky"`` elsewhere. All are
-  exact to rounding; see ``kfl.factor``. Other powers and
-  ``damping_mode="exact"`` use eigendecompositions.
+      est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)  # one pass
+      tx = optax.chain(kfl.kfac(loss_fn, batch), optax.sgd(lr, momentum=0.9))
+      est = est_fn(params, batch, key)
+      updates, state = tx.update(est.grads, state, params, stats=est.stats)
+      # or: tx.update(grads, state, params, batch=batch)  (its own pass)
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
+      ``has_aux``), a scalar; the Fisher modes need its loss computed with
+      a registered loss (``kfl.softmax_cross_entropy``, ...).
+    example_batch: a batch (arrays or ``jax.ShapeDtypeStruct``s), only
+      traced (at ``init``) to find the layers; later batches may have any
+      batch size but the same structure.
+    damping: ``λ`` of ``(F + λI)^p``, a positive float or an optax schedule
+      of the step count; ``update(..., damping=λ)`` overrides it for that
+      call. In π mode (and for diagonal blocks) ``λ`` is baked into the
+      cached inverses at each refresh, so a new per-call or scheduled ``λ``
+      reaches the preconditioner at the next refresh; ``damping_mode=
+      "exact"`` uses the ``λ`` of every call.
+    estimation: where the statistics' output cotangents come from:
+      ``"fisher"`` (targets sampled from the model: the true Fisher),
+      ``"empirical"`` (the data targets; works without a registered loss),
+      ``"curvature_prop"`` (Rademacher projections of the output Fisher's
+      square root), ``"exact"`` (all its columns), and
+      ``"curvature_prop_ggn"``/``"exact_ggn"`` (the output Hessian's: the
+      GGN); see ``kfl.estimators``.
+    num_samples: sampled targets (or projections) per example for the
+      sampled modes; the statistics average them.
+    cov_decay: ``β`` of the zero-debiased EMA ``C ← β C + (1-β) X`` of the
+      factors.
+    cov_every: statistics are computed and accumulated every ``cov_every``
+      steps (from step 0).
+    inverse_every: the caches are refreshed every ``inverse_every`` steps,
+      and at steps 1, 2, 4, 8, ... below it (``is_refresh_step``).
+    damping_mode: ``"pi"`` (factored Tikhonov: ``A + π√λ I`` and
+      ``G + √λ/π I``, ``π = √((tr A/dim A)/(tr G/dim G))``; the cache holds
+      the damped inverses) or ``"exact"`` (``(A⊗G + λI)^p`` through the
+      eigendecompositions of ``A`` and ``G``; the cache holds them).
+    stats_fraction: the share ``f`` in ``(0, 1]`` of each ``batch=`` the
+      statistics are computed on (its first ``round(N·f)`` examples, at
+      least 2; Martens & Grosse use 1/8). ``stats=`` are used as given: ask
+      ``kfl.value_grad_and_stats(..., stats_fraction=f)`` for them.
+    precon_power: ``p``: -1 the natural gradient, -0.5 a square-root
+      preconditioner; other powers than -1 use eigendecompositions.
+    norm_constraint: KL clipping: the update ``u`` is scaled by
+      ``min(1, √(norm_constraint / ⟨u, g⟩))``; None turns it off.
+    blocks: overrides of the curvature block per parameter path or layer
+      kind (``"kronecker"``, ``"diagonal"``, ``"full"``,
+      ``"naive_diagonal"``, ``"ekfac"`` for eigenvalue-corrected K-FAC on
+      dense and conv layers, or a block instance; see ``kfl.find_layers``).
+    exclude: parameter paths (or patterns) left out of the curvature; their
+      gradient passes through unchanged.
+    weight_sharing: for a layer applied over extra axes (sequence
+      positions): ``"expand"`` (the positions are examples) or ``"reduce"``
+      (inputs averaged and cotangents summed over them first), as in
+      Eschenhagen et al. 2023.
+    axis_name: the ``pmap``/``shard_map`` axis to average the statistics
+      over and split the refreshes across; None outside such a map.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    seed: the seed of the PRNG key (in the state) of the sampled estimators
+      under ``batch=``.
+    inverse_method: how a refresh computes the π-damped inverses
+      ``(C + d·I)⁻¹`` (``precon_power=-1``): ``"gauss_jordan"`` (blocked
+      Gauss–Jordan elimination, XLA matrix products only, ``2n³`` flops),
+      ``"cholesky"`` (LAPACK/cuSOLVER ``L Lᵀ``, then ``L⁻ᵀL⁻¹``),
+      ``"newton_schulz"`` (``X ← X + X(I − (C + d·I)X)`` from the previous
+      inverse, Gauss–Jordan when that does not converge), ``"eigh"``;
+      ``"auto"``: ``"gauss_jordan"`` on CPU, ``"cholesky"`` elsewhere. All
+      are exact to rounding (``kfl.factor``). Other powers and
+      ``damping_mode="exact"`` use eigendecompositions.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``: ``init(params)`` and
+    ``update(grads, state, params, *, batch=None, stats=None,
+    damping=None)``, which needs ``params`` and either ``batch=`` (the
+    statistics take their own pass on its first ``stats_fraction``) or
+    ``stats=`` (an ``Estimate.stats``); ``damping`` overrides the
+    configured one for that call (see ``damping``).
   """
   estimators.check_estimation(estimation, num_samples)
   fac.check_inverse_method(inverse_method)
-  if not 0 < stats_fraction <= 1:
-    raise ValueError(f"stats_fraction must be in (0, 1], got {stats_fraction}")
+  estimators.check_stats_fraction(stats_fraction)
   for name, value in (("cov_every", cov_every), ("inverse_every", inverse_every)):
     if not (isinstance(value, int) and value >= 1):
       raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -261,26 +409,33 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     raise ValueError(f"norm_constraint must be positive (or None), got "
                      f"{norm_constraint!r}")
   _check_damping(damping)
-  stats_batch_size(example_batch, stats_fraction, "kfac(example_batch)")
-  default_damping = damping
-  damping_fn = damping if callable(damping) else (lambda _: default_damping)
-  cache: dict = {}
-  layers: dict = {}
+  estimators.stats_batch_size(example_batch, stats_fraction,
+                              "kfac(example_batch)")
+  configured_damping = damping
+  damping_schedule = (damping if callable(damping)
+                      else (lambda _: configured_damping))
+  detection_cache: dict = {}
+  with_blocks: dict = {}
 
-  def layers_for(params) -> _Layers:
-    tagged = find_layers_cached(cache, loss_fn, params, example_batch,
-                                has_aux=has_aux, exclude=exclude)
-    if tagged not in layers:
-      layers[tagged] = _Layers(tagged.with_blocks(
-          blocks, damping_mode=damping_mode, weight_sharing=weight_sharing))
-    return layers[tagged]
+  def tagged_for(params) -> tagging.TaggedLoss:
+    """The layers of ``params``' structure, with their blocks."""
+    tagged = find_layers_cached(detection_cache, loss_fn, params,
+                                example_batch, has_aux=has_aux,
+                                exclude=exclude)
+    if tagged not in with_blocks:
+      with_blocks[tagged] = tagged.with_blocks(
+          blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
+    return with_blocks[tagged]
 
   def init_fn(params):
+    leaves = jax.tree.leaves(params)
     zero = jnp.zeros((), jnp.int32)
     return KfacState(
         count=zero, key=jax.random.PRNGKey(seed),
-        blocks=layers_for(params).init(params), num_bad_grads=zero,
-        num_bad_updates=zero, num_bad_damping=zero, num_nonfinite_params=zero)
+        blocks={l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))
+                for l in tagged_for(params).layers},
+        num_bad_grads=zero, num_bad_updates=zero, num_bad_damping=zero,
+        num_nonfinite_params=zero)
 
   def update_fn(grads, state, params=None, *, batch=None, stats=None,
                 damping=None, **extra_args):
@@ -288,84 +443,48 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     if params is None:
       raise ValueError("kfac needs params: call tx.update(grads, state, params, "
                        "batch=batch)")
-    lay = layers_for(params)
+    if stats is None and batch is None:
+      raise ValueError("kfac.update needs batch= (or precomputed stats=)")
+    tagged = tagged_for(params)
+    if batch is not None:
+      if jax.tree.structure(batch) != tagged.batch_treedef:
+        raise ValueError(f"batch structure {jax.tree.structure(batch)} differs "
+                         f"from the example batch's {tagged.batch_treedef}")
+      if stats is None:
+        estimators.stats_batch_size(batch, stats_fraction, "kfac.update")
+    layers = tagged.layers
     key, stats_key = jax.random.split(state.key)
     if axis_name is not None:  # Independent samples on every device.
       stats_key = jax.random.fold_in(stats_key, jax.lax.axis_index(axis_name))
     dtype = float_dtype(params)
-    lam = jnp.asarray(damping_fn(state.count) if damping is None else damping,
-                      dtype)
+    lam = jnp.asarray(damping_schedule(state.count) if damping is None
+                      else damping, dtype)
     damping_ok = (lam > 0) & jnp.isfinite(lam)
-    if stats is None and batch is None:
-      raise ValueError("kfac.update needs batch= (or precomputed stats=)")
-    if batch is not None:
-      if jax.tree.structure(batch) != lay.tagged.batch_treedef:
-        raise ValueError(f"batch structure {jax.tree.structure(batch)} differs "
-                         f"from the example batch's {lay.tagged.batch_treedef}")
-      if stats is None:
-        stats_batch_size(batch, stats_fraction, "kfac.update")
 
-    def new_stats(states):
+    def statistics_and_accumulate(states):
       if stats is not None:
-        s = stats
+        new = jax.lax.pmean(stats, axis_name) if axis_name else stats
       else:
-        s = estimators.estimate(
-            lay.tagged, params, _slice_batch(batch, stats_fraction), stats_key,
-            estimation=estimation, num_samples=num_samples,
-            states=states).stats
-      return jax.lax.pmean(s, axis_name) if axis_name else s
+        new = statistics(tagged, params, batch, stats_key, states,
+                         estimation=estimation, num_samples=num_samples,
+                         stats_fraction=stats_fraction, axis_name=axis_name)
+      return accumulate(layers, states, new, cov_decay)
 
-    def accumulate(states):
-      s = new_stats(states)
-      return {l.name: l.block.update(states[l.name], s[l.name], cov_decay)
-              for l in lay.layers}
-
-    states = jax.lax.cond(state.count % cov_every == 0, accumulate,
-                          lambda st: st, state.blocks)
-
-    def refresh_one(st, b):
-      # Factors without statistics read as zero: leave them unrefreshed
-      # (not ready) rather than cache a decomposition of the damping alone.
-      new = b.refresh(st, lam, precon_power, step=state.count,
-                      method=inverse_method)
-      ok = has_statistics(st)
-      return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, st)
-
-    due = is_refresh_step(state.count, inverse_every) & damping_ok
-    for i, l in enumerate(lay.layers):
-      fn = _per_slice(l, refresh_one)
-      st = states[l.name]
-      # Also refresh a block that is not ready yet, as soon as it can be.
-      need = due | (damping_ok & ~jnp.all(_per_slice(l, lambda s, b: is_ready(s))(st)))
-      if axis_name is not None:  # Refreshed on one device, then shared.
-        def fn(st, fn=fn, mine=_owner_mask(i, axis_name)):
-          new = jax.lax.cond(mine, fn, lambda s: s, st)
-          return _share_caches(new, st, mine, axis_name)
-      states[l.name] = jax.lax.cond(need, fn, lambda s: s, st)
-
+    if cov_every == 1:
+      states = statistics_and_accumulate(state.blocks)
+    else:
+      states = jax.lax.cond(state.count % cov_every == 0,
+                            statistics_and_accumulate, lambda st: st,
+                            state.blocks)
+    states = refresh(layers, states, lam, damping_ok,
+                     is_refresh_step(state.count, inverse_every), state.count,
+                     precon_power=precon_power, inverse_method=inverse_method,
+                     axis_name=axis_name)
     leaves, treedef = jax.tree.flatten(grads)
-    out = list(leaves)
-    for l in lay.layers:
-      def precondition(st, b, v):
-        u = b.multiply_matpower(st, v, lam, precon_power, use_cache=True)
-        ready = is_ready(st)
-        return tuple(jnp.where(ready, x, y.astype(x.dtype))
-                     for x, y in zip(u, v))
-      u = _per_slice(l, precondition)(states[l.name], lay.vectors(l, leaves))
-      for i, x in zip(l.leaves, u):
-        out[i] = x.reshape(leaves[i].shape).astype(leaves[i].dtype)
-    if norm_constraint is not None:
-      inner = sum(jnp.vdot(u.astype(dtype), g.astype(dtype))
-                  for u, g in zip(out, leaves))
-      scale = jnp.where(inner > 0, jnp.sqrt(norm_constraint / jnp.where(
-          inner > 0, inner, 1)), 1.0)
-      scale = jnp.minimum(1.0, scale)
-      out = [(u * scale).astype(u.dtype) for u in out]
-    grads_ok = fac.all_finite(leaves)
-    update_ok = fac.all_finite(out)
+    out = precondition(layers, states, leaves, lam, precon_power)
+    out = clip(out, leaves, norm_constraint, dtype)
+    out, grads_ok, update_ok = guard(out, leaves, damping_ok)
     good = grads_ok & damping_ok
-    out = [jnp.where(good, jnp.where(update_ok, u, g), jnp.zeros_like(g))
-           for u, g in zip(out, leaves)]
     count = lambda x: x.astype(jnp.int32)
     new_state = KfacState(
         count=state.count + 1, key=key, blocks=states,

@@ -1,0 +1,132 @@
+"""The one-pass style (``kfl.value_grad_and_stats`` → ``update(stats=)``)
+against the ``batch=`` style, by value, and the structure of ``update``.
+
+* ``stats_fraction``: the statistics of ``value_grad_and_stats(...,
+  stats_fraction=f)`` at the key ``kfac`` draws its own from are those of
+  ``kfac(..., stats_fraction=f)`` with ``batch=``, so both give the same
+  factors and the same update (float32 and float64), while the loss and
+  gradient are the whole batch's;
+* ``update`` lowers to one conditional for the periodic refresh (plus one
+  for ``cov_every > 1``), whatever the number of layers.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kfac_jax_lite as kfl
+from _helpers import flat, x64_mode
+
+SIZES = (5, 7, 4)
+N = 12
+
+
+def init_params(dtype=jnp.float32):
+  keys = jax.random.split(jax.random.PRNGKey(0), len(SIZES) - 1)
+  return [{"w": (jax.random.normal(k, (i, o)) / np.sqrt(i)).astype(dtype),
+           "b": jnp.full((o,), 0.1, dtype)}
+          for k, i, o in zip(keys, SIZES[:-1], SIZES[1:])]
+
+
+def make_batch(dtype=jnp.float32):
+  kx, ky = jax.random.split(jax.random.PRNGKey(1))
+  return {"x": jax.random.normal(kx, (N, SIZES[0])).astype(dtype),
+          "y": jax.random.randint(ky, (N,), 0, SIZES[-1])}
+
+
+def loss_fn(params, batch):
+  h = batch["x"]
+  for i, layer in enumerate(params):
+    h = h @ layer["w"] + layer["b"]
+    if i < len(params) - 1:
+      h = jnp.tanh(h)
+  loss = kfl.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+  return loss, {"logits": h}
+
+
+def plain_loss(params, batch):
+  return loss_fn(params, batch)[0]
+
+
+@pytest.mark.parametrize("x64,estimation", [(False, "fisher"),
+                                            (True, "fisher"),
+                                            (True, "empirical")])
+def test_stats_fraction_one_pass_equals_batch_path(x64, estimation):
+  with x64_mode(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    params, batch = init_params(dtype), make_batch(dtype)
+    fraction = 0.25  # 3 of 12 examples.
+    options = dict(estimation=estimation, stats_fraction=fraction)
+    tx = kfl.kfac(plain_loss, batch, damping=1e-2, inverse_every=1, seed=5,
+                  norm_constraint=None, **options)
+    est_fn = kfl.value_grad_and_stats(plain_loss, params, batch, **options)
+    # kfac draws the statistics' key as the second half of split(state.key).
+    key = jax.random.split(jax.random.PRNGKey(5))[1]
+    est = jax.jit(est_fn)(params, batch, key)
+
+    # The loss and gradient are the whole batch's.
+    loss, grads = jax.value_and_grad(plain_loss)(params, batch)
+    tol = dict(rtol=1e-12, atol=1e-12) if x64 else dict(rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(est.loss, loss, **tol)
+    np.testing.assert_allclose(flat(est.grads), flat(grads), **tol)
+    assert est.loss.dtype == dtype and est.weights.shape == (3,)
+
+    # The statistics are those of the first 3 examples alone.
+    sliced = jax.tree.map(lambda x: x[:3], batch)
+    alone = kfl.value_grad_and_stats(plain_loss, params, sliced,
+                                     estimation=estimation)(params, sliced, key)
+    np.testing.assert_allclose(flat(est.stats), flat(alone.stats), **tol)
+    full = kfl.value_grad_and_stats(plain_loss, params, batch,
+                                    estimation=estimation)(params, batch, key)
+    assert not np.allclose(flat(est.stats), flat(full.stats), rtol=1e-3)
+
+    # Same statistics => same state and same update as batch=.
+    update = jax.jit(tx.update)
+    state = tx.init(params)
+    u_batch, s_batch = update(grads, state, params, batch=batch)
+    u_stats, s_stats = update(est.grads, state, params, stats=est.stats)
+    np.testing.assert_allclose(flat(s_stats.blocks), flat(s_batch.blocks),
+                               **tol)
+    np.testing.assert_allclose(flat(u_stats), flat(u_batch), **tol)
+    assert all(x.dtype == dtype for x in jax.tree.leaves(u_stats))
+    # And it is preconditioned: not the gradient.
+    assert not np.allclose(flat(u_stats), flat(grads), rtol=1e-2)
+
+
+def test_stats_fraction_with_aux_and_errors():
+  params, batch = init_params(), make_batch()
+  est_fn = kfl.value_grad_and_stats(loss_fn, params, batch, has_aux=True,
+                                    stats_fraction=0.5)
+  est = est_fn(params, batch, jax.random.PRNGKey(0))
+  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+  np.testing.assert_allclose(est.loss, loss, rtol=1e-6)
+  np.testing.assert_allclose(est.aux["logits"], aux["logits"], rtol=1e-6)
+  assert est.aux["logits"].shape == (N, SIZES[-1])
+  np.testing.assert_allclose(flat(est.grads), flat(grads), rtol=1e-5,
+                             atol=1e-7)
+  with pytest.raises(ValueError, match=r"stats_fraction must be in \(0, 1\]"):
+    kfl.value_grad_and_stats(plain_loss, params, batch, stats_fraction=1.5)
+  with pytest.raises(ValueError, match=r"stats_fraction=0.1 leaves 1 example"):
+    kfl.value_grad_and_stats(plain_loss, params, batch, stats_fraction=0.1)
+  small = jax.tree.map(lambda x: x[:2], batch)
+  with pytest.raises(ValueError, match=r"leaves 1 example"):  # At call time.
+    est_fn(params, small, jax.random.PRNGKey(0))
+
+
+def _conditionals(tx, params, batch):
+  state = tx.init(params)
+  grads = jax.grad(plain_loss)(params, batch)
+  text = jax.jit(lambda g, s, p, b: tx.update(g, s, p, batch=b)).lower(
+      grads, state, params, batch).as_text()
+  return text.count("stablehlo.case") + text.count("stablehlo.if")
+
+
+def test_update_has_one_conditional_for_all_refreshes():
+  """One ``lax.cond`` gates every block's refresh (and returns only the
+  caches); ``cov_every > 1`` adds the one of the statistics."""
+  params, batch = init_params(), make_batch()
+  deeper = init_params() + [{"w": jnp.eye(SIZES[-1]), "b": jnp.zeros(SIZES[-1])}]
+  assert _conditionals(kfl.kfac(plain_loss, batch), params, batch) == 1
+  assert _conditionals(kfl.kfac(plain_loss, batch), deeper, batch) == 1
+  assert _conditionals(kfl.kfac(plain_loss, batch, cov_every=2),
+                       params, batch) == 2
