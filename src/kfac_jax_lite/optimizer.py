@@ -111,7 +111,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
 
   ``kfac_options`` go to ``kfl.kfac`` (``estimation``, ``cov_decay``,
   ``inverse_every``, ``damping_mode``, ``blocks``, ``axis_name``, ...), except
-  ``damping``, which this optimizer adapts. ``max_momentum``: the momentum
+  ``damping``, which this optimizer adapts; ``norm_constraint`` defaults to
+  ``None`` here (the quadratic model chooses the step's size). ``max_momentum``: the momentum
   ``μ`` of the quadratic model is kept in ``[0, max_momentum]`` (and ``α``
   re-minimised for the clipped ``μ``).
   """
@@ -132,6 +133,10 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
   _require(0 <= max_momentum < 1,
            f"max_momentum must be in [0, 1), got {max_momentum!r}")
   interval = damping_adaptation_interval
+  # No KL clipping by default: α re-minimises the model for any scale of Δ,
+  # so clipping Δ only rescales the reported α (TF K-FAC and kfac-jax
+  # refuse norm_constraint with the quadratic-model step).
+  kfac_options.setdefault("norm_constraint", None)
   inner = transform.kfac(loss_fn, example_batch, has_aux=has_aux,
                          damping=initial_damping, **kfac_options)
   omega = damping_decay ** interval
