@@ -226,17 +226,7 @@ def mean_variance_loss(p, b):
   return kfl.gaussian_nll(mean, var, b["t"][:, 0]).mean()
 
 
-# Under float64 the exact estimators fail today: the distributions'
-# fisher_sqrt/ggn_sqrt cast the outputs to float32, and the float32
-# directions do not fit the float64 VJP (issue 8, "float64 end to end").
-X64_DOWNCAST = pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="bug: PredictiveDistribution.fisher_sqrt/ggn_sqrt cast float64 "
-           "outputs to float32, so estimation='exact'/'exact_ggn'/"
-           "'curvature_prop' fail under jax_enable_x64 (issue 8)")
-
-
-@pytest.mark.parametrize("x64", [False, pytest.param(True, marks=X64_DOWNCAST)])
+@pytest.mark.parametrize("x64", [False, True])
 def test_mean_variance_normal_fisher_and_ggn_equal_brute_force(x64):
   # The w1 block's factors from the exact estimators against
   # A = Σ w_i ā_i ā_iᵀ and G = Σ c_i J_iᵀ M_i J_i, J_i = ∂(μ_i, v_i)/∂y_i at

@@ -133,10 +133,10 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
   _require(0 <= max_momentum < 1,
            f"max_momentum must be in [0, 1), got {max_momentum!r}")
   interval = damping_adaptation_interval
-  # No KL clipping by default: α re-minimises the model for any scale of Δ,
-  # so clipping Δ only rescales the reported α (TF K-FAC and kfac-jax
-  # refuse norm_constraint with the quadratic-model step).
-  kfac_options.setdefault("norm_constraint", None)
+  # No KL clipping by default: the quadratic model chooses the step length
+  # (α, μ), so rescaling the direction would only rescale the reported α
+  # (TF K-FAC and kfac-jax refuse norm_constraint with that step).
+  kfac_options = {"norm_constraint": None, **kfac_options}
   inner = transform.kfac(loss_fn, example_batch, has_aux=has_aux,
                          damping=initial_damping, **kfac_options)
   omega = damping_decay ** interval
