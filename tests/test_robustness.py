@@ -181,12 +181,13 @@ def test_nonfinite_params_are_counted_and_health_finds_every_state():
                       kfl.kfac(loss_fn, BATCH, estimation="exact"),
                       optax.sgd(0.1, momentum=0.9))
   state = chain.init(params)
-  _, state = chain.update(grads, state, params, batch=BATCH)
+  update = jax.jit(chain.update)  # One compile for both calls.
+  _, state = update(grads, state, params, batch=BATCH)
   health = kfl.health(state)
   assert health.ok and health.steps == 1 and str(health).startswith("kfac: ok")
   nan_params = jax.tree.map(lambda x: x * jnp.nan, params)
   nan_grads = jax.grad(loss_fn)(nan_params, BATCH)
-  _, state = chain.update(nan_grads, state, nan_params, batch=BATCH)
+  _, state = update(nan_grads, state, nan_params, batch=BATCH)
   health = kfl.health(state)
   assert (health.nonfinite_params, health.bad_grads, health.steps) == (1, 1, 2)
   assert "non-finite params 1" in str(health) and not health.ok

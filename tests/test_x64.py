@@ -83,7 +83,7 @@ def brute_factors(params, batch, mode):
       for j in range(l + 1, len(params)):
         o = jnp.tanh(o) @ params[j]["w"] + params[j]["b"]
       return o
-    jac = np.asarray(jax.vmap(jax.jacfwd(rest))(s), np.float64)  # [N, C, b]
+    jac = np.asarray(jax.jit(jax.vmap(jax.jacfwd(rest)))(s), np.float64)  # [N, C, b]
     a = np.concatenate([np.asarray(h), np.ones((N, 1))], 1)
     big_a = a.T @ a / N
     if mode == "exact":
@@ -159,11 +159,10 @@ def test_one_empirical_fisher_for_registered_and_handwritten_losses():
     with x64_mode(enabled):
       dtype = jnp.float64 if enabled else jnp.float32
       params, batch = params64(dtype), batch64(dtype)
-      key = jax.random.PRNGKey(0)
-      stats = [kfl.value_grad_and_stats(fn, params, batch,
-                                        estimation="empirical")(
-                                            params, batch, key).stats
-               for fn in (registered_mse, handwritten_mse)]
+      fns = [kfl.value_grad_and_stats(fn, params, batch, estimation="empirical")
+             for fn in (registered_mse, handwritten_mse)]
+      stats = jax.jit(lambda p, b, k: [fn(p, b, k).stats for fn in fns])(
+          params, batch, jax.random.PRNGKey(0))  # One compile for both.
       tol = 1e-12 if enabled else 1e-5
       for name in stats[0]:
         for x, y in zip(jax.tree.leaves(stats[0][name]),
@@ -207,36 +206,38 @@ def test_every_loss_and_estimation_keeps_float64(name):
     def loss_fn(p, b):
       return LOSSES[name](b["x"] @ p[0]["w"] + p[0]["b"], b).mean()
 
-    key = jax.random.PRNGKey(2)
-    for estimation in kfl.ESTIMATIONS:
-      est = jax.jit(kfl.value_grad_and_stats(
-          loss_fn, params, batch, estimation=estimation))(params, batch, key)
+    fns = {e: kfl.value_grad_and_stats(loss_fn, params, batch, estimation=e)
+           for e in kfl.ESTIMATIONS}
+    # Every mode in one compiled program: one compile per loss, not six.
+    ests = jax.jit(lambda p, b, k: {e: fn(p, b, k) for e, fn in fns.items()})(
+        params, batch, jax.random.PRNGKey(2))
+    for estimation, est in ests.items():
       leaves = jax.tree.leaves((est.stats, est.grads, est.loss, est.weights))
       assert all(x.dtype == jnp.float64 for x in leaves), estimation
       assert all(np.all(np.isfinite(x)) for x in leaves), estimation
-      if estimation == "exact_ggn":
-        got = est.stats[next(iter(est.stats))].g[0]
+    got = ests["exact_ggn"].stats[next(iter(ests["exact_ggn"].stats))].g[0]
     # Brute force: per example, the PSD part of the Hessian of L w.r.t. the
     # layer output s_i (one layer: the model output o is s, or (s,
     # softplus(s)+½) for gaussian_nll, whose GGN is Jᵀ H⁺ J with J of the
     # head), summed over the examples; L = Σ_i c_i ℓ_i so c_i is inside.
     s = batch["x"] @ params[0]["w"] + params[0]["b"]
+
+    def loss_of_outputs(o, i):  # Example i's outputs o, the others fixed.
+      if name == "gaussian_nll":
+        return jnp.sum(kfl.gaussian_nll(
+            o[0], o[1], batch["t"][i]) / (N * SIZES[1]))
+      return LOSSES[name](s.at[i].set(o), batch).mean()
+    hessian = jax.jit(jax.hessian(loss_of_outputs))  # One compile, N calls.
     want = 0.0
     for i in range(N):
-      def loss_of_outputs(o, i=i):
-        full = s.at[i].set(o) if name != "gaussian_nll" else s
-        if name == "gaussian_nll":
-          return jnp.sum(kfl.gaussian_nll(
-              o[0], o[1], batch["t"][i]) / (N * SIZES[1]))
-        return LOSSES[name](full, batch).mean()
       if name == "gaussian_nll":
         o = (s[i], jax.nn.softplus(s[i]) + 0.5)
-        h = jax.hessian(loss_of_outputs)(o)
+        h = hessian(o, i)
         hm = np.block([[np.asarray(h[r][c]) for c in range(2)] for r in range(2)])
         jac = np.concatenate([np.eye(SIZES[1]), np.diag(np.asarray(
             jax.nn.sigmoid(s[i])))], 0)
       else:
-        hm = np.asarray(jax.hessian(loss_of_outputs)(s[i]))
+        hm = np.asarray(hessian(s[i], i))
         jac = np.eye(SIZES[1])
       w, q = np.linalg.eigh((hm + hm.T) / 2)
       hplus = (q * np.maximum(w, 0)) @ q.T
@@ -272,18 +273,19 @@ def test_kfac_optimizer_keeps_float64_and_solves_its_model_exactly():
 def test_pmap_path_keeps_float64():
   """``axis_name`` under ``pmap`` (one CPU device): pmean of the statistics,
   owner-split refresh and psum of the caches, all in float64, equal to the
-  unmapped update."""
+  brute-force update (and so to the unmapped one, checked above)."""
   with x64_mode(True):
     params, batch = params64(), batch64()
-    kw = dict(damping=LAM, estimation="exact")
-    tx = kfl.kfac(classifier_loss, batch, **kw)
-    txp = kfl.kfac(classifier_loss, batch, axis_name="i", **kw)
+    txp = kfl.kfac(classifier_loss, batch, damping=LAM, estimation="exact",
+                   norm_constraint=None, axis_name="i")
     grads = jax.grad(classifier_loss)(params, batch)
-    want, _ = tx.update(grads, tx.init(params), params, batch=batch)
+    want = brute_update(params, grads, batch, "exact", "pi")
     rep = lambda t: jax.tree.map(lambda x: x[None], t)
     got, state = jax.pmap(lambda g, s, p, b: txp.update(g, s, p, batch=b),
                           axis_name="i")(rep(grads), rep(txp.init(params)),
                                          rep(params), rep(batch))
-    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      assert x.dtype == jnp.float64 and rel_err(x[0], y) < RTOL
+    assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(got))
+    for got_layer, want_layer in zip(got, want):
+      for k in ("w", "b"):
+        assert rel_err(got_layer[k][0], want_layer[k]) < RTOL, k
     assert kfl.health(state).ok

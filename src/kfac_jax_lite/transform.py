@@ -20,13 +20,13 @@ Each ``update``:
    factors have statistics, whatever the step;
 3. returns ``u = (F + λI)^p g`` per block (``p = precon_power``, ``λ`` the
    damping, a float or an optax schedule of the step), scaled by
-   ``s = min(1, √(norm_constraint / ⟨u, g⟩))`` (default 0.1; ``None``
+   ``s = min(1, √(norm_constraint / ⟨u, g⟩))`` (default 1.0; ``None``
    turns it off), so that ``(s·u)ᵀ F (s·u) = s²⟨u, g⟩`` (the KL of the
    step, up to the learning rate squared) stays below it (KL clipping,
    Ba et al. 2017). Parameters the tagging excluded, and blocks that are
    not ready, pass their gradient through unchanged.
 
-Defaults (``damping=1e-3``, ``norm_constraint=0.1``, ``inverse_every=10``
+Defaults (``damping=1e-3``, ``norm_constraint=1.0``, ``inverse_every=10``
 with the young refreshes) are the README's recommended settings: chained
 with ``optax.sgd(lr, momentum=0.9)`` at any lr from 0.01 to 0.1 they train
 ordinary small models (``benchmarks/robustness.py``).
@@ -308,7 +308,7 @@ def guard(updates, grad_leaves, damping_ok):
 
 
 DEFAULT_DAMPING = 1e-3
-DEFAULT_NORM_CONSTRAINT = 0.1
+DEFAULT_NORM_CONSTRAINT = 1.0
 
 
 def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
