@@ -37,7 +37,7 @@ def _log_marginal_likelihood(post, tau, scalar, loss):
   scatter = jnp.sum(P.prior_per_param(meta, tau) * theta ** 2)
   sizes = jnp.asarray(meta.layer_sizes, tau.dtype)
   logdet_prior = jnp.sum(sizes * jnp.log(tau))
-  logdet_post = _linalg._logdet(post, tau, scalar)
+  logdet_post = _linalg.logdet_at(post, tau, scalar)
   return -jnp.asarray(loss, tau.dtype) - 0.5 * (
       logdet_post - logdet_prior + scatter)
 

@@ -44,11 +44,12 @@ def logdet(post: P.Posterior, prior_precision):
   ``prior_precision``.
   """
   tau, scalar = prior(post, prior_precision)
-  return _logdet(post, tau, scalar)
+  return logdet_at(post, tau, scalar)
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def _logdet(post, tau, scalar):
+def logdet_at(post, tau, scalar):
+  """``logdet`` at a checked prior ``(tau, scalar)`` from ``prior``, jitted."""
   if post.meta.structure == "full":
     if scalar:
       return jnp.sum(jnp.log(post.spectrum + tau[0]))
@@ -134,11 +135,12 @@ def sample(post: P.Posterior, key, prior_precision, num_samples: int):
   if not (isinstance(num_samples, int) and num_samples >= 1):
     raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
   tau, scalar = prior(post, prior_precision)
-  return _sample(post, key, tau, scalar, num_samples)
+  return sample_at(post, key, tau, scalar, num_samples)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
-def _sample(post, key, tau, scalar, num_samples):
+def sample_at(post, key, tau, scalar, num_samples):
+  """``sample`` at a checked prior ``(tau, scalar)`` from ``prior``, jitted."""
   dtype = P.compute_dtype(post)
   z = jax.random.normal(key, (num_samples, post.meta.num_params), dtype)
   delta = root_product(post, tau, scalar, z)

@@ -134,7 +134,7 @@ def predictive(post: P.Posterior, apply_fn, x, prior_precision, *,
 def _predictive(post, apply_fn, x, tau, key, scalar, method, link, likelihood,
                 num_samples):
   if method == "mc":
-    thetas = _linalg._sample(post, key, tau, scalar, num_samples)
+    thetas = _linalg.sample_at(post, key, tau, scalar, num_samples)
     f = jax.vmap(apply_fn, in_axes=(0, None))(thetas, x)  # [S, N, *out]
     if likelihood != "regression":
       return jnp.mean(_squash(f, likelihood), axis=0)
