@@ -17,7 +17,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax_lite as kfl
-from conftest import x64_mode
+from _helpers import x64_mode
 
 N = 6
 STRUCTURES = ("full", "diag", "kron")

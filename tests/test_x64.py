@@ -17,7 +17,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax_lite as kfl
-from conftest import x64_mode
+from _helpers import x64_mode
 from kfac_jax_lite import distributions as dists
 
 SIZES = (4, 5, 3)

@@ -1,7 +1,7 @@
 """kfac_jax_lite: Kronecker-factored curvature for JAX, as pure functions.
 
 The modules, each built on the ones before it (README.md gives the user's
-view):
+view, ``docs/design.md`` the design brief: conventions and cost model):
 
 * ``factor.py`` — the math core: ``FactorState`` and the pure functions on
   it (EMA covariances, damped powers, cached decompositions);
