@@ -333,20 +333,26 @@ class Analysis(_penalties.PenaltyWalk):
       return "a dot_general that contracts every kernel axis"
     base = len(kv.stacked)
     in_axes = tuple(sorted(kv.dims[d] - base for d in kc))
-    out = eqn.outvars[0]
-    roles = {"kernel": kv}
-    probe_i, probe_aval, labels = i, out.aval, out_labels
-    found = self._bias_add(out, tuple(out_labels), ctx, set(k_free))
+    self._record_dense(i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
+                       dict(in_axes=in_axes,
+                            kernel_shape=tuple(kv.leaf_shape[base:])))
+    return None
+
+  def _record_dense(self, i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
+                    config):
+    """Records the dense use at equation ``i`` (input ``x``, kernel view
+    ``kv``), with the bias added right after it when there is one (then
+    the bias's output is the probed value)."""
+    probe_i, probe_aval = i, eqn.outvars[0].aval
+    roles, labels = {"kernel": kv}, tuple(out_labels)
+    found = self._bias_add(eqn.outvars[0], labels, ctx, set(k_free))
     if found is not None:
       j, bview, labels = found
       ctx["claimed"].add(j)
       roles["bias"] = bview
       probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
     self._record("dense", roles, ctx, i, ("var", x), x.aval, probe_i,
-                 probe_aval, in_labels, labels,
-                 dict(in_axes=in_axes, kernel_shape=tuple(
-                     kv.leaf_shape[base:])))
-    return None
+                 probe_aval, in_labels, labels, config)
 
   def _dense_regrouped(self, i, eqn, k, kv, ctx):
     """``x ·W'`` with ``W' = W.reshape(...)`` splitting or merging axes: a
@@ -377,19 +383,9 @@ class Analysis(_penalties.PenaltyWalk):
     k_free = [("k", a) for a in free]
     out_labels = k_free + x_free if k == 0 else x_free + k_free
     in_axes = tuple(sorted(r for g in sorted(cgroups) for r in kv.real[g]))
-    out = eqn.outvars[0]
-    roles = {"kernel": kv}
-    probe_i, probe_aval, labels = i, out.aval, tuple(out_labels)
-    found = self._bias_add(out, labels, ctx, set(k_free))
-    if found is not None:
-      j, bview, labels = found
-      ctx["claimed"].add(j)
-      roles["bias"] = bview
-      probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
-    self._record("dense", roles, ctx, i, ("var", x), x.aval, probe_i,
-                 probe_aval, in_labels, labels,
-                 dict(in_axes=in_axes, kernel_shape=tuple(kv.leaf_shape),
-                      virtual=(tuple(sorted(kc)), tuple(free))))
+    self._record_dense(i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
+                       dict(in_axes=in_axes, kernel_shape=tuple(kv.leaf_shape),
+                            virtual=(tuple(sorted(kc)), tuple(free))))
     return None
 
   def _conv(self, i, eqn, views, ctx):
