@@ -21,7 +21,7 @@ def fresh(block, *args, **kwargs):
   return block.update(block.init(jnp.float64), block.compute_stats(*args, **kwargs), 0.5)
 
 
-@hypothesis.settings(max_examples=10, deadline=None)
+@hypothesis.settings(max_examples=6, deadline=None)
 @hypothesis.given(d_in=st.integers(1, 4), d_out=st.integers(1, 4),
                   n=st.integers(1, 4), r=st.integers(1, 3), s=st.integers(1, 2),
                   bias=st.booleans(), mode=st.sampled_from(["expand", "reduce"]),

@@ -73,11 +73,11 @@ def test_stats_fraction_one_pass_equals_batch_path(x64, estimation):
 
     # The statistics are those of the first 3 examples alone.
     sliced = jax.tree.map(lambda x: x[:3], batch)
-    alone = kfl.value_grad_and_stats(plain_loss, params, sliced,
-                                     estimation=estimation)(params, sliced, key)
+    alone = jax.jit(kfl.value_grad_and_stats(
+        plain_loss, params, sliced, estimation=estimation))(params, sliced, key)
     np.testing.assert_allclose(flat(est.stats), flat(alone.stats), **tol)
-    full = kfl.value_grad_and_stats(plain_loss, params, batch,
-                                    estimation=estimation)(params, batch, key)
+    full = jax.jit(kfl.value_grad_and_stats(
+        plain_loss, params, batch, estimation=estimation))(params, batch, key)
     assert not np.allclose(flat(est.stats), flat(full.stats), rtol=1e-3)
 
     # Same statistics => same state and same update as batch=.
