@@ -119,13 +119,12 @@ def gamma(x, num_steps):
   xs = jnp.where(near, 0.0, x)
   ys = 1 - xs
   closed = ys ** 2 / (big_t * ys * (1 + xs) - 2 * xs * (1 - xs ** big_t))
-  # Σ_d (T-|d|)(1-y)^|d| = Σ_k c_k y^k, c_k = (-1)^k Σ_d (T-|d|) C(|d|, k);
-  # in z = T·y the coefficients are c_k / T^k.
-  coeffs = []
-  for k in range(16):
-    c = (big_t if k == 0 else 0) + 2 * sum(
-        (big_t - d) * math.comb(d, k) for d in range(1, big_t))
-    coeffs.append((-1) ** k * c / big_t ** (k + 2))  # Scaled by 1/T².
+  # Σ_d (T-|d|)(1-y)^|d| = Σ_k c_k y^k, c_k = (-1)^k Σ_d (T-|d|) C(|d|, k)
+  # = (-1)^k (2 C(T+1, k+2) - T [k = 0]) (twice the hockey-stick identity);
+  # in z = T·y, scaled by 1/T², the coefficients are c_k / T^(k+2).
+  coeffs = [(-1) ** k * (2 * math.comb(big_t + 1, k + 2) - (big_t if k == 0
+                                                            else 0))
+            / big_t ** (k + 2) for k in range(16)]
   z = big_t * y
   series = jnp.zeros_like(z)
   for c in reversed(coeffs):
