@@ -350,3 +350,43 @@ def test_series_choices_and_errors():
     tx = kfl.kfac(rnn_loss, batch, blocks={"cell/wh": "series2"},
                   precon_power=-0.5)
     jax.eval_shape(lambda p: tx.update(p, tx.init(p), p, batch=batch), params)
+
+
+def test_scan_statistics_are_the_steps_in_order():
+  """Through ``kfl.value_grad_and_stats`` (float64, empirical): the series
+  statistics of the RNN's two recurrent kernels are the lagged moments of
+  the step inputs (``x_t`` and ``h_{t-1}``) and of the per-example
+  gradients with respect to each step's gate pre-activation, formed by
+  brute force (a perturbation added at every step)."""
+  with x64_mode(True):
+    params, batch = rnn_setup(jnp.float64)
+    blocks = {"cell/w*": "series2"}
+    est = jax.jit(kfl.value_grad_and_stats(
+        rnn_loss, params, batch, estimation="empirical", blocks=blocks))(
+            params, batch, jax.random.PRNGKey(0))
+
+    def perturbed(e, p):  # e [T, N, H] added to the gate pre-activations.
+      def step(h, xe):
+        x_t, e_t = xe
+        h = jnp.tanh(x_t @ p["cell"]["wx"] + h @ p["cell"]["wh"]
+                     + p["cell"]["b"] + e_t)
+        return h, h
+      h0 = jnp.zeros((N, H), jnp.float64)
+      _, hs = jax.lax.scan(step, h0, (jnp.swapaxes(batch["x"], 0, 1), e))
+      pred = jnp.swapaxes(hs, 0, 1) @ p["out"]["w"] + p["out"]["b"]
+      return jnp.mean((pred - batch["y"]) ** 2), hs
+
+    e = jnp.zeros((T, N, H), jnp.float64)
+    cot, hs = jax.grad(perturbed, has_aux=True)(e, params)
+    g = np.asarray(jnp.swapaxes(cot, 0, 1)) * N  # ∂ℓ_n/∂z_t, [N, T, H].
+    h_prev = np.concatenate([np.zeros((N, 1, H)),
+                             np.asarray(jnp.swapaxes(hs, 0, 1))[:, :-1]], 1)
+    for name, a in (("cell/wx", np.asarray(batch["x"])), ("cell/wh", h_prev)):
+      want = dict(a0=np.einsum("nti,ntj->ij", a, a),
+                  a1=np.einsum("nti,ntj->ij", a[:, :-1], a[:, 1:]),
+                  g0=np.einsum("nti,ntj->ij", g, g),
+                  g1=np.einsum("nti,ntj->ij", g[:, :-1], g[:, 1:]))
+      st = est.stats[name]
+      for k, v in want.items():
+        np.testing.assert_allclose(np.asarray(getattr(st, k))[0], v / (N * T),
+                                   rtol=1e-9, atol=1e-12, err_msg=name + k)
