@@ -38,9 +38,10 @@ and ``Ψ̂ = C₀^{-1/2} C₁ C₀^{-1/2}``. The options (``option``):
   ``A_d = A₀^{1/2} Ψ̂_A^{|d|} A₀^{1/2}``. With ``Ψ̂ = U diag(ψ) Uᵀ`` and
   ``L = C₀^{-1/2} U``,
   ``F⁻¹ = (L_A ⊗ L_G) diag(γ(ψ_A ψ_Gᵀ)) (L_A ⊗ L_G)ᵀ``,
-  ``γ(x) = 1/Σ_{t,s} x^{|t-s|} = (1-x)² / (T(1-x²) - 2x(1-xᵀ))``
+  ``γ(x) = 1/Σ_{t,s} x^{|t-s|} = (1-x)² / (T(1-x²) - 2x(1-x^T))``
   (computed without the cancellation near ``x = 1``: a Taylor series in
-  ``T(1-x)`` there, ``γ(1) = 1/T²``).
+  ``T(1-x)`` there, ``γ(1) = 1/T²``; for even T the sum vanishes at
+  ``x = -1``, which damping keeps away: ``|ψ| < 1`` once ``λ > 0``).
 * ``"series2"`` — option 2: VAR(1) processes on infinitely long sequences,
   ``F ≈ T Σ_{d=-∞}^{∞} A_d ⊗ G_d`` with ``A_d = A₀^{1/2} Ψ̂_A^d A₀^{1/2}``
   (``d ≥ 0``). With ``Ψ = Ψ̂_A ⊗ Ψ̂_G``, ``Σ_d = (I-Ψ)⁻¹ (I - ΨΨᵀ)
@@ -50,7 +51,11 @@ and ``Ψ̂ = C₀^{-1/2} C₁ C₀^{-1/2}``. The options (``option``):
   μ_A μ_Gᵀ)`` (a gap that is exactly 0 divides by 1 instead, as TF did),
   ``Y = K_A Z K_Gᵀ``, ``(Y - P_Aᵀ Y P_G) / T``.
 
-With ``A₁ = G₁ = 0`` the three options are the same matrix.
+With ``A₁ = G₁ = 0`` the three options are the same matrix. The
+``blocks=`` choice ``"kron_indep"`` (``series_block``) is therefore the
+layer's ``KroneckerDense`` under ``"expand"`` itself, with every power and
+product and no lag-1 statistics; ``SeriesDense(option="kron_indep")``
+exists to compare the options on one state.
 
 Only the inverse is provided (as in TF): ``multiply_matpower`` with a power
 other than -1, ``refresh`` with ``exp != -1``, ``multiply``, the Cholesky
@@ -276,8 +281,10 @@ class SeriesDense(base.Block):
         _kron.KroneckerState(state.a0, state.g0), lam, 1.0)
 
   def refresh(self, state, damping, exp=-1.0, step=0, method="auto"):
-    """The option's quantities (module docstring) at ``damping``; ``method``
-    is not used (inverse roots come from eigendecompositions)."""
+    """Caches the option's quantities (module docstring) of ``state`` at
+    ``damping`` λ (π-adjusted at ``λ/T``), recording ``step``. ``exp``
+    must be -1 (``NotImplementedError`` otherwise); ``method`` is not used
+    (the inverse roots come from eigendecompositions)."""
     del method
     _check_exp(exp)
     da, dg = self._damping(state, damping)
@@ -298,8 +305,10 @@ class SeriesDense(base.Block):
 
   # -------------------------------------------------------------- products
   def multiply_inverse(self, state, v, damping, use_cache=False):
-    """``(F + λI)⁻¹ v`` under the option (the cached quantities of the last
-    refresh with ``use_cache``, else computed now at ``damping``)."""
+    """``(F + λI)⁻¹ v`` under the option, ``v`` a tuple shaped like
+    ``param_shapes``: with ``use_cache`` from the quantities the last
+    ``refresh`` cached (at its damping; ``damping`` is then not used),
+    else computed now at ``damping``."""
     _layout.check_params(self, v, self.param_shapes)
     if not use_cache:
       state = self.refresh(state, damping)
