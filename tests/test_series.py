@@ -390,3 +390,29 @@ def test_scan_statistics_are_the_steps_in_order():
       for k, v in want.items():
         np.testing.assert_allclose(np.asarray(getattr(st, k))[0], v / (N * T),
                                    rtol=1e-9, atol=1e-12, err_msg=name + k)
+
+
+def test_flax_rnn_tags_its_gates_as_series():
+  """Flax ``nn.RNN(nn.LSTMCell)``: every gate kernel is a series block of
+  the sequence's length (detection only: the statistics through a scan
+  are pinned on the plain-JAX RNN above)."""
+  nn = pytest.importorskip("flax.linen")
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1)(nn.RNN(nn.LSTMCell(4))(x))
+
+  model = Model()
+  x = jnp.ones((N, T, D))
+  batch = (x, x[..., :1])
+  params = jax.eval_shape(model.init, jax.random.PRNGKey(1), x)
+
+  def loss(p, b):
+    return jnp.mean(kfl.squared_error(model.apply(p, b[0]), b[1]))
+
+  blocks = {"params/LSTMCell_0/*": "series1"}
+  table = kfl.describe(loss, params, batch, blocks=blocks)
+  series = [r.name for r in table if r.block == "SeriesDense"]
+  assert len(series) == 8 and all(
+      r.sharing == f"series1 (T={T})" for r in table if r.name in series)
