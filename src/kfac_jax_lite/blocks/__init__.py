@@ -15,6 +15,7 @@ from kfac_jax_lite.blocks.ekfac import (
 from kfac_jax_lite.blocks.embedding import KroneckerEmbedding
 from kfac_jax_lite.blocks.full import Full, NaiveDiagonal
 from kfac_jax_lite.blocks.scale_shift import ScaleAndShift
+from kfac_jax_lite.blocks.series import SeriesDense, SeriesState, series_block
 from kfac_jax_lite.blocks.stacked import Stacked
 
 __all__ = [
@@ -22,5 +23,6 @@ __all__ = [
     "EkfacConv", "EkfacDense", "EkfacState", "FlatBlock",
     "Full", "GRADIENTS", "KroneckerBlock", "KroneckerConv", "KroneckerDense",
     "KroneckerEmbedding", "KroneckerState", "LayerData", "NaiveDiagonal",
-    "ScaleAndShift", "Stacked", "check_block", "eigen_corrected", "state_bytes",
+    "ScaleAndShift", "SeriesDense", "SeriesState", "Stacked", "check_block",
+    "eigen_corrected", "series_block", "state_bytes",
 ]

@@ -10,6 +10,9 @@ path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
 * ``"kronecker"`` (the default for dense/conv/embedding), ``"diagonal"``,
   ``"full"``, ``"naive_diagonal"`` (what each means per kind: the kind's
   ``block_for``); ``"ekfac"`` (dense and conv: ``blocks.eigen_corrected``);
+  ``"series1"``, ``"series2"``, ``"kron_indep"`` (a dense layer applied at
+  every step of one ``lax.scan``: ``blocks.series_block``, T the scan's
+  length; ``ValueError`` for a layer not used that way);
 * a ``dict`` of keyword arguments for the default block (e.g.
   ``{"weight_sharing": "reduce"}``);
 * a block instance (used as is; its ``param_shapes`` must match);
@@ -28,7 +31,9 @@ import fnmatch
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite.tagging._kinds import KINDS
 
-CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal", "ekfac")
+SERIES_CHOICES = ("series1", "series2", "kron_indep")
+CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal", "ekfac"
+           ) + SERIES_CHOICES
 
 
 def find_override(overrides, paths, kind):
@@ -68,8 +73,12 @@ def _block(layer, override, damping_mode, weight_sharing):
     if override not in CHOICES:
       raise ValueError(f"unknown block choice {override!r}; expected one of "
                        f"{CHOICES}, a dict of options, a block or a callable")
-    block = (B.eigen_corrected(default, where) if override == "ekfac"
-             else spec.block_for(override, default))
+    if override == "ekfac":
+      block = B.eigen_corrected(default, where)
+    elif override in SERIES_CHOICES:
+      block = _series(layer, override, default, where)
+    else:
+      block = spec.block_for(override, default)
   else:
     if callable(override) and not hasattr(override, "param_shapes"):
       block = override(dataclasses.replace(layer, block=default))
@@ -86,3 +95,24 @@ def _block(layer, override, damping_mode, weight_sharing):
                      f"gradients; use a block that consumes {B.GRADIENTS!r} "
                      "(Full, NaiveDiagonal)")
   return B.Stacked(block, layer.stack) if layer.stack else block
+
+
+def _series(layer, option, default, where):
+  """The series block of a dense layer used once per step of one scan."""
+  steps = layer.steps
+  if layer.is_fallback or not steps or any(len(s) != 1 for s in steps):
+    raise ValueError(
+        f"{where}: {option!r} is for a dense layer applied at every step of "
+        f"one lax.scan (its parameters scan constants), but "
+        f"{layer.name!r} is " + (
+            f"a fallback ({layer.reason})" if layer.is_fallback else
+            "not used inside a lax.scan" if not any(steps) else
+            "used inside nested scans" if any(len(s) > 1 for s in steps)
+            else "also used outside its scan") + "; select the recurrent "
+        "layers by path (e.g. blocks={'cell/*': 'series1'})")
+  if len(steps) != 1:
+    raise ValueError(f"{where}: {option!r} needs one use per step, but "
+                     f"{layer.name!r} has {len(steps)} uses (shared or tied "
+                     "weights)")
+  return B.series_block(default, option, steps[0][0],
+                        time_axis=1 if layer.row_uses else 0, where=where)

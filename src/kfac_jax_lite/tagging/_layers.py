@@ -12,6 +12,7 @@ import dataclasses
 import fnmatch
 from typing import Any
 
+from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _kinds
 from kfac_jax_lite.tagging._kinds import FallbackSpec, LayerSpec, Unsupported
 
@@ -38,6 +39,9 @@ class Layer:
   no axis that is the batch's example axis (a time-major scan, ``h.reshape(
   -1, d)`` merging batch and time): every row of its input is a use of one
   pseudo-example ("expand"), whose loss weight is the examples' mean.
+  ``steps``: per use, the lengths of the enclosing ``lax.scan``s that
+  apply it at every step (the parameter a scan constant: time axes of its
+  data, outermost first; ``()`` outside any such scan).
   """
   name: str
   spec: LayerSpec
@@ -50,6 +54,7 @@ class Layer:
   block: Any = None
   penalties: tuple = ()
   row_uses: bool = False
+  steps: tuple = ()
 
   @property
   def kind(self) -> str:
@@ -207,4 +212,11 @@ def _layer(spec, leaves, guses, paths, leaf_shapes):
   return Layer(name=lpaths[0], spec=spec, params=lpaths, leaves=tuple(leaves),
                leaf_shapes=tuple(tuple(leaf_shapes[k]) for k in leaves),
                uses=len(guses), stack=stack,
-               use_ids=tuple(u.uid for u in guses))
+               use_ids=tuple(u.uid for u in guses),
+               steps=tuple(_time_steps(u) for u in guses))
+
+
+def _time_steps(use):
+  """The lengths of the scans that reuse ``use``'s parameters at every step."""
+  return tuple(n for (_, n), label in zip(use.levels, F.level_labels(use))
+               if label[0] == "t")
