@@ -44,7 +44,7 @@ def brute_ggn(params):
 
 def test_curvature_forms_match_brute_force_ggn():
   params = init_params()
-  tagged = kfl.find_layers(loss_fn, params, BATCH)
+  tagged = kfl.tagging.find_layers(loss_fn, params, BATCH)
   vs = [jax.tree.map(lambda x, i=i: jax.random.normal(
       jax.random.PRNGKey(10 + i), x.shape), params) for i in range(2)]
   dirs = jax.tree.map(lambda a, b: jnp.stack([a, b]), *vs)

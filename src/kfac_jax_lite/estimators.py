@@ -385,9 +385,9 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
       the dearer choice for any ``f < 1/2``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     blocks: curvature block overrides per parameter path or layer kind, as
-      in ``kfl.kfac`` (see ``kfl.find_layers``); ``exclude``: parameter
-      paths (or patterns) left out of the curvature (their gradient passes
-      through).
+      in ``kfl.kfac`` (see ``kfl.tagging.find_layers``); ``exclude``:
+      parameter paths (or patterns) left out of the curvature (their
+      gradient passes through).
     weight_sharing: ``"expand"`` or ``"reduce"`` (Eschenhagen et al. 2023)
       for layers applied over extra axes (sequence positions), as in
       ``kfl.kfac``; it must match the transform's for the statistics to fit

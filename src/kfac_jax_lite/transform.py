@@ -369,7 +369,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     blocks: overrides of the curvature block per parameter path or layer
       kind (``"kronecker"``, ``"diagonal"``, ``"full"``,
       ``"naive_diagonal"``, ``"ekfac"`` for eigenvalue-corrected K-FAC on
-      dense and conv layers, or a block instance; see ``kfl.find_layers``).
+      dense and conv layers, or a block instance; see
+      ``kfl.tagging.find_layers``).
     exclude: parameter paths (or patterns) left out of the curvature; their
       gradient passes through unchanged.
     weight_sharing: for a layer applied over extra axes (sequence
