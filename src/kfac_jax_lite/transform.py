@@ -398,7 +398,9 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     damping=None)``, which needs ``params`` and either ``batch=`` (the
     statistics take their own pass on its first ``stats_fraction``) or
     ``stats=`` (an ``Estimate.stats``); ``damping`` overrides the
-    configured one for that call (see ``damping``).
+    configured one for that call (see ``damping``). ``tx.update.layers(
+    params)``: the ``tagging.TaggedLoss`` it uses (one trace per params
+    signature, with the blocks), shared by ``kfl.kfac_optimizer``.
   """
   estimators.check_estimation(estimation, num_samples)
   fac.check_inverse_method(inverse_method)
@@ -496,4 +498,5 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
         + count(~fac.all_finite(params)))
     return jax.tree.unflatten(treedef, out), new_state
 
+  update_fn.layers = tagged_for
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
