@@ -364,7 +364,7 @@ def scenario_count(args):
     loss_fn = make_loss(sizes)
     params = init_params(sizes)
     batches = [make_batch(s, sizes=sizes) for s in range(steps)]
-    layer_names = [l.name for l in kfl.find_layers(
+    layer_names = [l.name for l in kfl.tagging.find_layers(
         loss_fn, params, batches[0]).layers]
     blocks, calls = _counting_blocks("i")
     run_pmap(loss_fn, params, batches,

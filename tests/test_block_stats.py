@@ -8,6 +8,7 @@ import pytest
 from jax import lax
 
 import kfac_jax_lite as kfl
+from kfac_jax_lite import blocks as B
 
 import _brute
 from _helpers import x64_mode
@@ -37,7 +38,7 @@ def test_dense_block_equals_jacobian_formula(d_in, d_out, n, r, s, bias, mode,
     y = x @ (p[0].T if transposed else p[0])
     return y + p[1] if bias else y
 
-  block = kfl.KroneckerDense(shape, in_axes=(1,) if transposed else (0,),
+  block = B.KroneckerDense(shape, in_axes=(1,) if transposed else (0,),
                              has_bias=bias, weight_sharing=mode)
   with x64_mode(True):
     state = fresh(block, xs, cots, c)
@@ -48,7 +49,7 @@ def test_dense_block_equals_jacobian_formula(d_in, d_out, n, r, s, bias, mode,
       grad = _brute.per_example_grads(fn, params, xs, cots)[0, 0]
       np.testing.assert_allclose(block.to_dense(state),
                                  c[0] * np.outer(grad, grad), atol=1e-10)
-    diag = kfl.DiagonalDense(shape, in_axes=block.in_axes, has_bias=bias)
+    diag = B.DiagonalDense(shape, in_axes=block.in_axes, has_bias=bias)
     np.testing.assert_allclose(
         diag.to_dense(fresh(diag, xs, cots, c)),
         np.diag(_brute.sum_of_squares(
@@ -60,7 +61,7 @@ def test_einsum_kernel_with_several_input_and_output_axes():
   params = (rand(0, (3, 2, 2)), rand(1, (2, 2)))
   xs, cots = rand(2, (2, 4, 3)), rand(3, (2, 4, 2, 2))
   fn = lambda p, x: (jnp.einsum("td,dhe->the", x, p[0]) + p[1]).reshape(4, 4)
-  block = kfl.KroneckerDense((3, 2, 2), in_axes=(0,), has_bias=True)
+  block = B.KroneckerDense((3, 2, 2), in_axes=(0,), has_bias=True)
   with x64_mode(True):
     state = fresh(block, xs, cots)
     expected = _brute.kronecker_curvature(
@@ -113,14 +114,14 @@ def test_conv_blocks_equal_jacobian_formula(case, bias):
   cots_to = np.transpose(cots, [0, 1] + spec).reshape(s, n, -1, out_features)
   c = np.array([0.3, 1.2])
   common = dict(kernel_shape=k_shape, dimension_numbers=dn, has_bias=bias, **kw)
-  block = kfl.KroneckerConv(**common)
+  block = B.KroneckerConv(**common)
   with x64_mode(True):
     state = fresh(block, xs, cots, c)
     expected = _brute.kronecker_curvature(
         _brute.jacobians(fn, params, xs), cots_to, c,
         out_groups=kw.get("feature_group_count", 1))
     np.testing.assert_allclose(block.to_dense(state), expected, atol=1e-9)
-    diag = kfl.DiagonalConv(**common)
+    diag = B.DiagonalConv(**common)
     grads = _brute.per_example_grads(conv, params, xs, cots)
     np.testing.assert_allclose(diag.to_dense(fresh(diag, xs, cots, c)),
                                np.diag(_brute.sum_of_squares(grads, c)),
@@ -130,9 +131,9 @@ def test_conv_blocks_equal_jacobian_formula(case, bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_conv_with_one_output_location_is_the_dense_block(bias):
   xs, cots = rand(0, (3, 3, 2, 4)), rand(1, (3, 1, 1, 5))
-  conv = kfl.KroneckerConv((3, 2, 4, 5), dimension_numbers=("NHWC", "HWIO", "NHWC"),
+  conv = B.KroneckerConv((3, 2, 4, 5), dimension_numbers=("NHWC", "HWIO", "NHWC"),
                            has_bias=bias)
-  dense = kfl.KroneckerDense((3, 2, 4, 5), in_axes=(0, 1, 2), has_bias=bias)
+  dense = B.KroneckerDense((3, 2, 4, 5), in_axes=(0, 1, 2), has_bias=bias)
   with x64_mode(True):
     np.testing.assert_allclose(
         conv.to_dense(fresh(conv, xs, cots)),
@@ -147,20 +148,20 @@ def test_embedding_is_dense_on_one_hot_inputs(mode, r):
   ids[0, :] = 2  # Repeated ids in one example.
   cots = rand(7, (n, r, dim))
   c = np.array([0.3, 0.6, 0.9, 1.2])  # Σc = 3: w = c/Σc and c differ.
-  emb = kfl.KroneckerEmbedding(vocab, dim, weight_sharing=mode)
-  dense = kfl.KroneckerDense((vocab, dim), weight_sharing=mode)
+  emb = B.KroneckerEmbedding(vocab, dim, weight_sharing=mode)
+  dense = B.KroneckerDense((vocab, dim), weight_sharing=mode)
   with x64_mode(True):
     e_state = fresh(emb, ids, cots, c)
     d_state = fresh(dense, jax.nn.one_hot(ids, vocab, dtype=jnp.float64), cots, c)
-    np.testing.assert_allclose(kfl.factor_value(e_state.g),
-                               kfl.factor_value(d_state.g), atol=1e-12)
-    a_dense = kfl.factor_value(d_state.a)[0]
+    np.testing.assert_allclose(kfl.factor.factor_value(e_state.g),
+                               kfl.factor.factor_value(d_state.g), atol=1e-12)
+    a_dense = kfl.factor.factor_value(d_state.a)[0]
     if mode == "expand" or r == 1:  # Exact: the one-hot factor is diagonal.
       np.testing.assert_allclose(np.diag(np.diag(a_dense)), a_dense, atol=1e-12)
       np.testing.assert_allclose(emb.to_dense(e_state), dense.to_dense(d_state),
                                  atol=1e-12)
     else:  # reduce keeps the diagonal of Σ w ã ãᵀ.
-      np.testing.assert_allclose(kfl.factor_value(e_state.a)[0],
+      np.testing.assert_allclose(kfl.factor.factor_value(e_state.a)[0],
                                  np.diag(a_dense), atol=1e-12)
     params = (rand(9, (vocab, dim)),)
     fn = lambda p, i: p[0][i]
@@ -178,7 +179,7 @@ def test_embedding_loss_weights_scale_g_and_leave_a_unchanged(mode):
   ids = np.array([[2, 2, 0], [1, 3, 1], [4, 0, 0]])
   cots = rand(8, (2, 3, 3, 2))
   c = np.array([0.2, 0.5, 0.9])  # Σc = 1.6.
-  emb = kfl.KroneckerEmbedding(5, 2, weight_sharing=mode)
+  emb = B.KroneckerEmbedding(5, 2, weight_sharing=mode)
   with x64_mode(True):
     base, scaled = (emb.compute_stats(ids, cots, k * c) for k in (1.0, 2.5))
     np.testing.assert_allclose(scaled.a, base.a, rtol=1e-12)
@@ -199,7 +200,7 @@ def test_scale_and_shift_equals_per_example_gradients(full, which):
     y = x * p[0] if has_scale else x
     return y + p[-1] if has_shift else y
 
-  block = kfl.ScaleAndShift((5,), has_scale=has_scale, has_shift=has_shift,
+  block = B.ScaleAndShift((5,), has_scale=has_scale, has_shift=has_shift,
                             full=full)
   c = np.array([0.5, 0.25, 0.25])
   with x64_mode(True):
@@ -216,7 +217,7 @@ def test_scale_broadcast_over_channels_of_an_image():
   xs, cots = rand(0, (2, 3, 2, 2)), rand(1, (2, 3, 2, 2))
   params = (rand(2, (3, 1, 1)), rand(3, (3, 1, 1)))
   fn = lambda p, x: x * p[0] + p[1]
-  block = kfl.ScaleAndShift((3, 1, 1), full=True)
+  block = B.ScaleAndShift((3, 1, 1), full=True)
   with x64_mode(True):
     grads = _brute.per_example_grads(fn, params, xs, cots[None])
     np.testing.assert_allclose(
@@ -224,7 +225,7 @@ def test_scale_broadcast_over_channels_of_an_image():
         np.einsum("snp,snq->pq", grads, grads) / 2, atol=1e-12)
 
 
-@pytest.mark.parametrize("cls", [kfl.Full, kfl.NaiveDiagonal])
+@pytest.mark.parametrize("cls", [B.Full, B.NaiveDiagonal])
 def test_full_and_naive_blocks(cls):
   grads = (rand(0, (4, 2, 3)), rand(1, (4, 3)))
   alpha = np.array([1.0, 2.0, 3.0, 4.0])
@@ -232,7 +233,7 @@ def test_full_and_naive_blocks(cls):
   u = np.concatenate([grads[0].reshape(4, -1), grads[1]], 1)
   expected = np.einsum("k,kp,kq->pq", alpha, u, u)
   default = np.einsum("kp,kq->pq", u, u) / 4  # The mean over samples.
-  if cls is kfl.NaiveDiagonal:
+  if cls is B.NaiveDiagonal:
     expected, default = np.diag(np.diag(expected)), np.diag(np.diag(default))
   with x64_mode(True):
     np.testing.assert_allclose(
@@ -242,7 +243,7 @@ def test_full_and_naive_blocks(cls):
 
 
 def test_bf16_activations_give_float32_statistics():
-  block = kfl.KroneckerDense((3, 2), has_bias=True)
+  block = B.KroneckerDense((3, 2), has_bias=True)
   stats = block.compute_stats(jnp.ones((4, 3), jnp.bfloat16),
                               jnp.ones((4, 2), jnp.bfloat16))
   assert stats.a.dtype == jnp.float32 and stats.g.dtype == jnp.float32
@@ -260,23 +261,23 @@ def test_gradient_blocks_layer_stats_weight_each_example_and_sample():
   u = np.concatenate([grads[0].reshape(2, 3, -1), grads[1]], -1)
   expected = np.einsum("n,snp,snq->pq", c, u, u) / 2
   with x64_mode(True):
-    for cls in (kfl.Full, kfl.NaiveDiagonal):
+    for cls in (B.Full, B.NaiveDiagonal):
       block = cls(((2, 3), (3,)))
-      got = block.layer_stats(kfl.blocks.LayerData(grads=grads, weights=c))
-      want = expected if cls is kfl.Full else np.diag(expected)
+      got = block.layer_stats(B.LayerData(grads=grads, weights=c))
+      want = expected if cls is B.Full else np.diag(expected)
       np.testing.assert_allclose(got, want, atol=1e-12)
 
 
 def test_stacked_block_is_block_diagonal_over_its_slices():
   n, m, r, s = 3, 4, 2, 2
-  inner = kfl.KroneckerDense((3, 2), has_bias=True, damping_mode="exact")
-  block = kfl.blocks.Stacked(inner, n)
+  inner = B.KroneckerDense((3, 2), has_bias=True, damping_mode="exact")
+  block = B.Stacked(inner, n)
   xs, cots = rand(0, (n, m, r, 3)), rand(1, (s, n, m, r, 2))
   cots = np.moveaxis(cots, 0, 1)  # [n, S, N, R, out]
   c = np.abs(rand(2, (m,))) + 0.1
   assert block.param_shapes == ((n, 3, 2), (n, 2))
   with x64_mode(True):
-    stats = block.layer_stats(kfl.blocks.LayerData(xs, cots, c))
+    stats = block.layer_stats(B.LayerData(xs, cots, c))
     state = block.update(block.init(jnp.float64), stats, 0.5)
     slices = [inner.update(inner.init(jnp.float64),
                            inner.compute_stats(xs[l], cots[l], c), 0.5)

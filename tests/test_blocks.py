@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import kfac_jax_lite as kfl
+from kfac_jax_lite import blocks as B
 from kfac_jax_lite import factor as fac
 
 from _helpers import flat, sym_power, x64_mode
@@ -23,7 +24,7 @@ def rand(key, shape, dtype=np.float64):
 
 
 def dense_case(mode, bias=True, shape=(3, 4), in_axes=(0,), n=5, seed=0):
-  block = kfl.KroneckerDense(shape, in_axes=in_axes, has_bias=bias,
+  block = B.KroneckerDense(shape, in_axes=in_axes, has_bias=bias,
                              damping_mode=mode, renorm_coeff=1.5)
   d_in = int(np.prod([shape[i] for i in block.layout.in_axes]))
   d_out = int(np.prod(block.layout.out_dims))
@@ -32,7 +33,7 @@ def dense_case(mode, bias=True, shape=(3, 4), in_axes=(0,), n=5, seed=0):
 
 
 def conv_case(mode):
-  block = kfl.KroneckerConv((3, 3, 2, 4), window_strides=(2, 2),
+  block = B.KroneckerConv((3, 3, 2, 4), window_strides=(2, 2),
                             padding=((1, 1), (1, 1)),
                             dimension_numbers=("NHWC", "HWIO", "NHWC"),
                             feature_group_count=2, has_bias=True,
@@ -41,7 +42,7 @@ def conv_case(mode):
 
 
 def embedding_case(mode):
-  block = kfl.KroneckerEmbedding(6, 3, damping_mode=mode)
+  block = B.KroneckerEmbedding(6, 3, damping_mode=mode)
   ids = np.array([[0, 1], [1, 1], [3, 5]])
   return block, (ids, rand(4, (3, 2, 3)))
 
@@ -54,29 +55,29 @@ CASES = {
     "conv_exact": lambda: conv_case("exact"),
     "embedding_pi": lambda: embedding_case("pi"),
     "embedding_exact": lambda: embedding_case("exact"),
-    "diagonal_dense": lambda: (kfl.DiagonalDense((3, 2), has_bias=True),
+    "diagonal_dense": lambda: (B.DiagonalDense((3, 2), has_bias=True),
                                (rand(5, (4, 3)), rand(6, (4, 2)))),
-    "diagonal_conv": lambda: (kfl.DiagonalConv((2, 1, 6), dimension_numbers=(
+    "diagonal_conv": lambda: (B.DiagonalConv((2, 1, 6), dimension_numbers=(
         "NWC", "WIO", "NWC"), feature_group_count=3, has_bias=True),
         (rand(7, (2, 5, 3)), rand(8, (2, 4, 6)))),
-    "scale_shift_diag": lambda: (kfl.ScaleAndShift((3,)),
+    "scale_shift_diag": lambda: (B.ScaleAndShift((3,)),
                                  (rand(9, (4, 2, 3)), rand(10, (4, 2, 3)))),
-    "scale_shift_full": lambda: (kfl.ScaleAndShift((3,), full=True),
+    "scale_shift_full": lambda: (B.ScaleAndShift((3,), full=True),
                                  (rand(11, (4, 2, 3)), rand(12, (4, 2, 3)))),
-    "full": lambda: (kfl.Full(((2, 2), (3,))),
+    "full": lambda: (B.Full(((2, 2), (3,))),
                      ((rand(13, (9, 2, 2)), rand(14, (9, 3))),)),
-    "naive_diagonal": lambda: (kfl.NaiveDiagonal(((2, 2), (3,))),
+    "naive_diagonal": lambda: (B.NaiveDiagonal(((2, 2), (3,))),
                                ((rand(15, (3, 2, 2)), rand(16, (3, 3))),)),
-    "ekfac_dense": lambda: (kfl.blocks.eigen_corrected(dense_case("pi")[0]),
+    "ekfac_dense": lambda: (B.eigen_corrected(dense_case("pi")[0]),
                             dense_case("pi")[1]),
-    "ekfac_conv": lambda: (kfl.blocks.eigen_corrected(conv_case("pi")[0]),
+    "ekfac_conv": lambda: (B.eigen_corrected(conv_case("pi")[0]),
                            conv_case("pi")[1]),
 }
 
 
 def stats_of(block, data, state):
   """Fresh statistics; an EKFAC block measures them in its state's basis."""
-  if isinstance(block, kfl.blocks.EigenCorrected):
+  if isinstance(block, B.EigenCorrected):
     return block.compute_stats(*data, state=state)
   return block.compute_stats(*data)
 
@@ -85,7 +86,7 @@ def make(name, dtype):
   block, data = CASES[name]()
   state = block.init(dtype)
   state = block.update(state, stats_of(block, data, state), 0.9)
-  if isinstance(block, kfl.blocks.EigenCorrected):
+  if isinstance(block, B.EigenCorrected):
     # An eigenbasis (refresh), then scalings measured in it.
     state = block.refresh(state, 0.0, step=0)
     state = block.update(state, stats_of(block, data, state), 0.9)
@@ -99,10 +100,10 @@ def random_v(block, seed, dtype):
 def damped_dense(block, state, damping):
   """The damped block the approximation inverts, built independently."""
   dense = np.asarray(block.to_dense(state), np.float64)
-  if not isinstance(block, kfl.blocks.KroneckerBlock) or block.damping_mode == "exact":
+  if not isinstance(block, B.KroneckerBlock) or block.damping_mode == "exact":
     return dense + damping * np.eye(len(dense))
   # π-adjusted: c (A + π√(λ/c) I) ⊗ (G + √(λ/c)/π I), π per group.
-  a, g = (np.asarray(kfl.factor_value(f), np.float64) for f in state)
+  a, g = (np.asarray(fac.factor_value(f), np.float64) for f in state)
   a_diag = a if a.ndim == 2 else np.diagonal(a, axis1=1, axis2=2)
   pi = np.sqrt(a_diag.mean(-1) / np.diagonal(g, axis1=1, axis2=2).mean(-1))
   root = np.sqrt(damping / block.renorm_coeff)
@@ -208,7 +209,7 @@ def test_non_finite_statistics_leave_block_state_unchanged(name):
 
 
 def test_bad_shapes_name_the_block_and_both_shapes():
-  block = kfl.KroneckerDense((3, 4), has_bias=True)
+  block = B.KroneckerDense((3, 4), has_bias=True)
   state = block.init()
   with pytest.raises(ValueError, match=r"KroneckerDense.*\(\(3, 4\), \(4,\)\).*\(\(4, 3\), \(4,\)\)"):
     block.multiply(state, (jnp.ones((4, 3)), jnp.ones(4)))
@@ -216,25 +217,25 @@ def test_bad_shapes_name_the_block_and_both_shapes():
     block.compute_stats(jnp.ones((5, 2)), jnp.ones((5, 4)))
   with pytest.raises(ValueError, match=r"KroneckerDense.*\(5, 3\).*\(5, 4\)"):
     block.compute_stats(jnp.ones((5, 3)), jnp.ones((5, 3)))
-  conv = kfl.KroneckerConv((3, 3, 2, 4), dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  conv = B.KroneckerConv((3, 3, 2, 4), dimension_numbers=("NHWC", "HWIO", "NHWC"))
   with pytest.raises(ValueError, match=r"KroneckerConv.*\(1, 5, 5, 3\).*3 channels.*2"):
     conv.compute_stats(jnp.ones((1, 5, 5, 3)), jnp.ones((1, 3, 3, 4)))
-  emb = kfl.KroneckerEmbedding(5, 2)
+  emb = B.KroneckerEmbedding(5, 2)
   with pytest.raises(ValueError, match=r"KroneckerEmbedding.*integers"):
     emb.compute_stats(jnp.ones((3,)), jnp.ones((3, 2)))
   with pytest.raises(ValueError, match=r"KroneckerEmbedding.*\(3, 4\)"):
     emb.compute_stats(jnp.ones((3,), jnp.int32), jnp.ones((3, 4)))
-  ss = kfl.ScaleAndShift((3,))
+  ss = B.ScaleAndShift((3,))
   with pytest.raises(ValueError, match=r"ScaleAndShift.*\(3,\).*\(4,\)"):
     ss.compute_stats(jnp.ones((2, 4)), jnp.ones((2, 4)))
   with pytest.raises(ValueError, match="damping_mode"):
-    kfl.KroneckerDense((3, 4), damping_mode="tikhonov")
+    B.KroneckerDense((3, 4), damping_mode="tikhonov")
   with pytest.raises(ValueError, match="weight_sharing"):
-    kfl.KroneckerDense((3, 4), weight_sharing="mean")
+    B.KroneckerDense((3, 4), weight_sharing="mean")
   with pytest.raises(ValueError, match="in_axes"):
-    kfl.KroneckerDense((3, 4), in_axes=(0, 1))
+    B.KroneckerDense((3, 4), in_axes=(0, 1))
   with pytest.raises(ValueError, match="update_cov.*\\(1, 5, 5\\).*\\(1, 4, 4\\)"):
-    block.update(state, kfl.KroneckerState(a=jnp.ones((1, 5, 5)),
+    block.update(state, B.KroneckerState(a=jnp.ones((1, 5, 5)),
                                            g=jnp.ones((1, 4, 4))), 0.9)
 
 

@@ -120,7 +120,7 @@ def _case_data(name, seed):
   c = np.abs(rand(seed + 9, (4 if name != "conv" else 3,))) + 0.2
   if name == "conv":
     fn, params, xs, cots, conv_cots, kw = conv_problem(seed, True)
-    return (B.EkfacConv(**kw), kfl.KroneckerConv(damping_mode="exact", **kw),
+    return (B.EkfacConv(**kw), B.KroneckerConv(damping_mode="exact", **kw),
             (xs, conv_cots, c), _brute.per_example_grads(fn, params, xs, cots), c)
   r = 3 if name.startswith("dense_shared") else 1
   fn, params, xs, cots, kw = dense_problem(
@@ -129,7 +129,7 @@ def _case_data(name, seed):
   sharing = "reduce" if name == "dense_shared_reduce" else "expand"
   data = (xs if r > 1 else xs[:, 0], cots if r > 1 else cots[:, :, 0], c)
   return (B.EkfacDense(weight_sharing=sharing, **kw),
-          kfl.KroneckerDense(weight_sharing=sharing, damping_mode="exact", **kw),
+          B.KroneckerDense(weight_sharing=sharing, damping_mode="exact", **kw),
           data, _brute.per_example_grads(fn, params, xs, cots), c)
 
 
@@ -152,7 +152,7 @@ def test_scalings_are_projected_per_example_gradients(name, x64):
     np.testing.assert_allclose(stats.g, kstats.g, rtol=tol, atol=tol)
     for f in (state.a, state.g):
       q = np.asarray(f.cache.eigvecs, np.float64)
-      d = np.swapaxes(q, -1, -2) @ np.asarray(kfl.factor_value(f), np.float64) @ q
+      d = np.swapaxes(q, -1, -2) @ np.asarray(kfl.factor.factor_value(f), np.float64) @ q
       off = d - np.vectorize(np.diag, signature="(n)->(n,n)")(
           np.diagonal(d, axis1=-2, axis2=-1))
       assert np.abs(off).max() <= 1e3 * tol * np.abs(d).max()

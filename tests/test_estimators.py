@@ -407,26 +407,17 @@ def _fallback_check(estimation, num_samples, batch):
                    layer.name)
 
 
-@pytest.mark.parametrize("estimation,num_samples", SAMPLED_CASES)
+@pytest.mark.parametrize("estimation,num_samples,n", [
+    (e, s, N) for e, s in SAMPLED_CASES] + [("exact", 1, 1)])
 def test_fallback_blocks_equal_the_brute_force_curvature(estimation,
-                                                         num_samples):
-  # A true fallback takes the parameter gradient of Σ_e √c_e u_e per sample
-  # (per column in exact mode), so its outer product is exact for one
-  # example and unbiased over sampled targets for a batch.
-  n = N if estimation == "fisher" else 1
+                                                         num_samples, n):
+  # A true fallback in "exact"/"empirical" takes each example's own
+  # parameter gradient (per column / sample): the sum of their outer
+  # products is exact over a batch, with no cross-example terms
+  # √(c_i c_j) J_iᵀ b_i b_jᵀ J_j (the outer product of one batch gradient
+  # had them). Sampled "fisher" takes the batch gradient of Σ_e √c_e u_e
+  # per sample: unbiased, since the examples' draws are independent.
   _fallback_check(estimation, num_samples, jax.tree.map(lambda x: x[:n], BATCH))
-
-
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="bug: a fallback block in estimation='exact' (or 'empirical') is "
-           "the outer product of the batch gradient of Σ_e √c_e u_e, column "
-           "by column, so examples i ≠ j add cross terms √(c_i c_j) J_iᵀ b_i "
-           "b_jᵀ J_j: not the exact curvature once N > 1 (only its "
-           "expectation over sampled targets is)")
-@pytest.mark.parametrize("estimation,num_samples", SAMPLED_CASES[:2])
-def test_fallback_blocks_are_exact_over_a_batch(estimation, num_samples):
-  _fallback_check(estimation, num_samples, BATCH)
 
 
 # --- Loss weights that do not sum to one -------------------------------------
@@ -479,18 +470,13 @@ def tied_net(p, ids):
   return h @ p["embed"].T
 
 
-@pytest.mark.parametrize("layer", [
-    "w",
-    pytest.param("embed", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="bug: for a layer with a transposed use (a tied embedding) "
-               "the samples/columns axis is folded into the positions "
-               "(tagging._layers._combine), so a DiagonalDense block squares "
-               "the sum over samples, (Σ_s γ_s)²/S, instead of averaging the "
-               "squares: in exact mode the columns' cross terms stay"))])
+@pytest.mark.parametrize("layer", ["w", "embed"])
 def test_diagonal_blocks_in_exact_mode_are_the_exact_fisher_diagonal(layer):
   # The sum-of-squares block Σ_i c_i Σ_k γ_ik² over the columns k of B is the
-  # diagonal of the exact Fisher Σ_i c_i J_iᵀ (diag(p) − ppᵀ) J_i.
+  # diagonal of the exact Fisher Σ_i c_i J_iᵀ (diag(p) − ppᵀ) J_i. The tied
+  # embedding's transposed use folds the columns into its positions (exact
+  # for Kronecker factors); the estimator computes its statistics one
+  # column at a time, so the squares are not of the columns' sum.
   p = {"embed": jax.random.normal(jax.random.PRNGKey(0), (V_TIED, 3)),
        "w": jax.random.normal(jax.random.PRNGKey(1), (3, 3))}
   b = {"ids": jnp.array([0, 3, 3, 1]), "y": jnp.array([1, 2, 0, 4])}

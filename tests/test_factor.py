@@ -23,7 +23,7 @@ def random_psd(rng, n, rank=None, batch=()):
 
 def filled(c, dtype=jnp.float32, diagonal=False, cache="power"):
   c = np.asarray(c)
-  state = kfl.init_factor(c.shape[-1], diagonal=diagonal,
+  state = fac.init_factor(c.shape[-1], diagonal=diagonal,
                           batch_shape=c.shape[:-1] if diagonal else c.shape[:-2],
                           dtype=dtype, cache=cache)
   return kfl.update_cov(state, c, 0.5)
@@ -47,15 +47,15 @@ def test_first_update_is_debiased_and_ema_matches_formula():
   xs = [random_psd(rng, 3) for _ in range(4)]
   ws = [1.0, 2.0, 0.5, 3.0]
   decay = 0.8
-  state = kfl.init_factor(3)
-  np.testing.assert_array_equal(kfl.factor_value(state), np.zeros((3, 3)))
+  state = fac.init_factor(3)
+  np.testing.assert_array_equal(fac.factor_value(state), np.zeros((3, 3)))
   for i, (x, w) in enumerate(zip(xs, ws)):
     state = kfl.update_cov(state, x, decay, weight=w)
     coeffs = [(1 - decay) * decay ** (i - j) * ws[j] for j in range(i + 1)]
     expected = sum(c * xs[j] for j, c in enumerate(coeffs)) / sum(coeffs)
-    np.testing.assert_allclose(kfl.factor_value(state), expected, rtol=1e-5)
+    np.testing.assert_allclose(fac.factor_value(state), expected, rtol=1e-5)
   np.testing.assert_allclose(
-      kfl.factor_value(kfl.update_cov(kfl.init_factor(3), xs[0], 0.99)), xs[0],
+      fac.factor_value(kfl.update_cov(fac.init_factor(3), xs[0], 0.99)), xs[0],
       rtol=1e-5)
 
 
@@ -65,7 +65,7 @@ def test_non_finite_statistics_leave_state_exactly_unchanged(bad, diagonal):
   rng = np.random.default_rng(1)
   c = random_psd(rng, 4)
   c = np.diag(c) if diagonal else c
-  state = kfl.refresh_cache(filled(c, diagonal=diagonal), 3, damping=0.1)
+  state = fac.refresh_cache(filled(c, diagonal=diagonal), 3, damping=0.1)
   new = np.array(c)
   new.flat[2] = bad
   after = kfl.update_cov(state, new, 0.9)
@@ -78,7 +78,7 @@ def test_non_finite_statistics_leave_state_exactly_unchanged(bad, diagonal):
 
 def test_shape_mismatch_names_both_shapes():
   with pytest.raises(ValueError, match=r"\(4, 4\).*\(3, 3\)"):
-    kfl.update_cov(kfl.init_factor(3), np.eye(4), 0.9)
+    kfl.update_cov(fac.init_factor(3), np.eye(4), 0.9)
 
 
 @SETTINGS
@@ -99,11 +99,11 @@ def test_damped_matpower_matches_brute_force(n, damping, exp, method, seed, x64)
     scale = np.abs(expected).max()
     np.testing.assert_allclose(got, expected, atol=tol * scale, rtol=tol * 10)
     # A refreshed power cache holds the same power.
-    cached = kfl.refresh_cache(state, 1, damping=damping, exp=exp, method=method)
+    cached = fac.refresh_cache(state, 1, damping=damping, exp=exp, method=method)
     np.testing.assert_allclose(cached.cache.matpower, expected,
                                atol=tol * scale, rtol=tol * 10)
     # The cached eigendecomposition gives the same power at any damping.
-    cached = kfl.refresh_cache(filled(c, dtype, cache="eigh"), 1)
+    cached = fac.refresh_cache(filled(c, dtype, cache="eigh"), 1)
     np.testing.assert_allclose(
         kfl.damped_matpower(cached, damping, exp, use_cache=True), expected,
         atol=tol * scale, rtol=tol * 10)
@@ -139,34 +139,34 @@ def test_batched_factors_take_per_group_damping():
 def test_refresh_caches_power_or_eigendecomposition():
   rng = np.random.default_rng(4)
   c = random_psd(rng, 4)
-  state = kfl.refresh_cache(filled(c), 7, damping=0.3, exp=-1.0)
+  state = fac.refresh_cache(filled(c), 7, damping=0.3, exp=-1.0)
   np.testing.assert_allclose(state.cache.matpower,
                              np.linalg.inv(c + 0.3 * np.eye(4)), rtol=1e-4)
   assert int(state.cache.step) == 7
-  state = kfl.refresh_cache(state, 8, damping=0.3, exp=-0.5)
+  state = fac.refresh_cache(state, 8, damping=0.3, exp=-0.5)
   np.testing.assert_allclose(state.cache.matpower, brute_power(c, 0.3, -0.5),
                              rtol=1e-4, atol=1e-6)
-  eig = kfl.refresh_cache(filled(c, cache="eigh"), 8).cache
+  eig = fac.refresh_cache(filled(c, cache="eigh"), 8).cache
   np.testing.assert_allclose(
       eig.eigvecs @ np.diag(eig.eigvals) @ eig.eigvecs.T, c, atol=1e-5)
   with pytest.raises(ValueError, match="damping="):
-    kfl.refresh_cache(state, 9)
+    fac.refresh_cache(state, 9)
 
 
 def test_cache_keeps_only_what_its_kind_needs():
   n, nbytes = 5, lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
-  power, eig = kfl.init_factor(n), kfl.init_factor(n, cache="eigh")
+  power, eig = fac.init_factor(n), fac.init_factor(n, cache="eigh")
   # cov + one n×n array (+ the scalars: weight, three counters/steps).
   assert nbytes(power) == 4 * (2 * n * n) + 4 * 4
   assert nbytes(eig) == 4 * (2 * n * n + n) + 4 * 4
   assert power.cache.eigvecs.size == power.cache.eigvals.size == 0
   assert eig.cache.matpower.size == 0
   assert fac.cache_kind(power) == "power" and fac.cache_kind(eig) == "eigh"
-  diag = kfl.init_factor(n, diagonal=True, batch_shape=(3,))
+  diag = fac.init_factor(n, diagonal=True, batch_shape=(3,))
   assert nbytes(diag) == 4 * (2 * 3 * n) + 4 * 4 and fac.is_diagonal(diag)
-  assert not fac.is_diagonal(kfl.init_factor(n, batch_shape=(3,)))
+  assert not fac.is_diagonal(fac.init_factor(n, batch_shape=(3,)))
   with pytest.raises(ValueError, match="cache must be one of"):
-    kfl.init_factor(n, cache="both")
+    fac.init_factor(n, cache="both")
   with pytest.raises(ValueError, match="inverse_method must be one of"):
     fac.check_inverse_method("lu")
 
@@ -183,7 +183,7 @@ def test_each_inverse_method_refreshes_the_exact_damped_inverse(method, x64):
     for n, batch in ((1, ()), (7, (2,)), (70, (2,))):
       c = random_psd(rng, n, rank=max(1, n // 2), batch=batch)
       damping = np.linspace(0.05, 0.5, int(np.prod(batch)) or 1).reshape(batch)
-      state = jax.jit(lambda s, d: kfl.refresh_cache(s, 4, damping=d,
+      state = jax.jit(lambda s, d: fac.refresh_cache(s, 4, damping=d,
                                                      method=method))(
           filled(c, dtype), damping)
       got = np.asarray(state.cache.matpower)
@@ -214,9 +214,9 @@ def test_newton_schulz_warm_start_and_fallback(monkeypatch, x64):
     expected = np.linalg.inv(c1 + 0.5 * np.eye(n))
     close = lambda got, want: np.testing.assert_allclose(
         got, want, atol=tol * np.abs(want).max(), rtol=tol)
-    refresh = jax.jit(lambda st, step: kfl.refresh_cache(
+    refresh = jax.jit(lambda st, step: fac.refresh_cache(
         st, step, damping=0.5, method="newton_schulz"))
-    warm = kfl.refresh_cache(filled(c0, dtype), 1, damping=0.5)
+    warm = fac.refresh_cache(filled(c0, dtype), 1, damping=0.5)
     _poisoned_gauss_jordan(monkeypatch)
     # Warm start close enough: Newton-Schulz alone gives the exact inverse.
     moved = warm._replace(cov=filled(c1, dtype).cov)
@@ -240,19 +240,19 @@ def test_newton_schulz_warm_start_and_fallback(monkeypatch, x64):
 def test_failed_decomposition_keeps_the_last_good_cache(method):
   rng = np.random.default_rng(8)
   c = random_psd(rng, 4)
-  state = kfl.refresh_cache(filled(c), 7, damping=0.3, method=method)
+  state = fac.refresh_cache(filled(c), 7, damping=0.3, method=method)
   # A corrupted running estimate (NaN), and one that no damping makes
   # positive definite (an eigenvalue of -5 with damping 0.3).
   nan = state._replace(cov=state.cov.at[0, 0].set(jnp.nan))
   indefinite = state._replace(cov=filled(c - 5 * np.eye(4)).cov)
   for broken in (nan, indefinite):
-    after = kfl.refresh_cache(broken, 9, damping=0.3, method=method)
+    after = fac.refresh_cache(broken, 9, damping=0.3, method=method)
     if method == "eigh" and broken is indefinite:
       continue  # eigh clips the eigenvalues at 0: a valid (damped) inverse.
     assert_same_state(after.cache, state.cache, skip=("num_failed",))
     assert int(after.cache.num_failed) == 1
-  eig = kfl.refresh_cache(filled(c, cache="eigh"), 7)
-  after = kfl.refresh_cache(eig._replace(cov=eig.cov.at[0, 0].set(jnp.nan)), 9)
+  eig = fac.refresh_cache(filled(c, cache="eigh"), 7)
+  after = fac.refresh_cache(eig._replace(cov=eig.cov.at[0, 0].set(jnp.nan)), 9)
   assert_same_state(after.cache, eig.cache, skip=("num_failed",))
   assert int(after.cache.num_failed) == 1
 
@@ -262,22 +262,22 @@ def test_factor_products():
   c = random_psd(rng, 3)
   state = filled(c)
   x = rng.normal(size=(3, 2)).astype(np.float32)
-  np.testing.assert_allclose(kfl.multiply(state, x), c @ x, rtol=1e-5)
-  np.testing.assert_allclose(kfl.multiply(state, x[:, 0]), c @ x[:, 0], rtol=1e-5)
+  np.testing.assert_allclose(fac.multiply(state, x), c @ x, rtol=1e-5)
+  np.testing.assert_allclose(fac.multiply(state, x[:, 0]), c @ x[:, 0], rtol=1e-5)
   inv = np.linalg.inv(c + 0.2 * np.eye(3))
   np.testing.assert_allclose(kfl.multiply_inverse(state, x, 0.2), inv @ x,
                              rtol=1e-4)
   np.testing.assert_allclose(kfl.multiply_inverse(state, x[:, 1], 0.2),
                              inv @ x[:, 1], rtol=1e-4)
-  np.testing.assert_allclose(kfl.multiply_matpower(state, x, 0.2, -0.5),
+  np.testing.assert_allclose(fac.multiply_matpower(state, x, 0.2, -0.5),
                              brute_power(c, 0.2, -0.5) @ x, rtol=1e-4)
-  chol = kfl.damped_cholesky(state, 0.2)
+  chol = fac.damped_cholesky(state, 0.2)
   np.testing.assert_allclose(chol @ chol.T, c + 0.2 * np.eye(3), rtol=1e-5)
   assert np.allclose(np.triu(chol, 1), 0)
 
 
 def test_factor_functions_jit_and_are_pytrees():
-  state = kfl.init_factor(3)
+  state = fac.init_factor(3)
   update = jax.jit(kfl.update_cov)
   state = update(state, jnp.eye(3), 0.9)
   refresh = jax.jit(lambda s, d: fac.refresh_cache(s, 1, damping=d))

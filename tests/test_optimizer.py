@@ -44,7 +44,7 @@ def brute_ggn(params):
 
 def test_curvature_forms_match_brute_force_ggn():
   params = init_params()
-  tagged = kfl.find_layers(loss_fn, params, BATCH)
+  tagged = kfl.tagging.find_layers(loss_fn, params, BATCH)
   vs = [jax.tree.map(lambda x, i=i: jax.random.normal(
       jax.random.PRNGKey(10 + i), x.shape), params) for i in range(2)]
   dirs = jax.tree.map(lambda a, b: jnp.stack([a, b]), *vs)
@@ -255,3 +255,24 @@ def test_needs_a_registered_loss_and_rejects_fixed_damping():
               batch=BATCH)
   with pytest.raises(ValueError, match="initial_damping"):
     kfl.kfac_optimizer(loss_fn, BATCH, damping=1e-3)
+
+
+def test_one_trace_serves_the_preconditioner_and_the_quadratic_model(
+    monkeypatch):
+  # The quadratic model reads its registered losses from the preconditioner's
+  # own detection (kfac's ``update.layers``): loss_fn is traced for the layers
+  # once, not once more with a cache of the optimizer's own.
+  calls = []
+  find_layers = kfl.tagging.find_layers
+
+  def counting(*args, **kwargs):
+    calls.append(kwargs.get("exclude"))
+    return find_layers(*args, **kwargs)
+
+  monkeypatch.setattr(kfl.tagging, "find_layers", counting)
+  tx = kfl.kfac_optimizer(loss_fn, BATCH, exclude=("1/*",))
+  params = init_params()
+  state = tx.init(params)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  jax.eval_shape(lambda s: tx.update(grads, s, params, batch=BATCH), state)
+  assert calls == [("1/*",)]

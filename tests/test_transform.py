@@ -320,7 +320,7 @@ def test_stacked_scan_layers_and_a_flax_model_train():
             "stack": {"w": jax.random.normal(key, (3, 4, 4)) / 4,
                       "b": jnp.zeros((3, 4))},
             "out": jax.random.normal(key, (4, 3)) / 2}
-  names = {l.name: (l.kind, l.stack) for l in kfl.find_layers(
+  names = {l.name: (l.kind, l.stack) for l in kfl.tagging.find_layers(
       scan_loss, params, BATCH).layers}
   assert names["stack/w"] == ("dense", 3)
 

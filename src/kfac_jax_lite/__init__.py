@@ -16,39 +16,67 @@ view, ``docs/design.md`` the design brief: conventions and cost model):
   Grosse's optimizer with adaptive damping;
 * ``laplace/`` — Laplace posteriors from the same curvature; ``health.py``
   — the health counters of a state.
+
+The top level holds the user API only (``__all__``, pinned by a test). The
+rest lives in the module that owns it: the factor functions in
+``kfl.factor`` (``init_factor``, ``refresh_cache``, ...), the block types in
+``kfl.blocks`` (``KroneckerDense``, ``Full``, ...), the detection results in
+``kfl.tagging`` (``find_layers``, ``Layer``, ``TaggedLoss``).
 """
-from kfac_jax_lite import blocks
-from kfac_jax_lite.blocks import (
-    DiagonalConv, DiagonalDense, Full, KroneckerConv, KroneckerDense,
-    KroneckerEmbedding, KroneckerState, NaiveDiagonal, ScaleAndShift)
-from kfac_jax_lite.distributions import PredictiveDistribution
+# Submodules users reach for (``kfl.factor.init_factor``, ``kfl.blocks.Full``).
+from kfac_jax_lite import blocks as blocks
+from kfac_jax_lite import estimators as estimators
+from kfac_jax_lite import factor as factor
+from kfac_jax_lite import laplace as laplace
+from kfac_jax_lite import losses as losses
+from kfac_jax_lite import tagging as tagging
+
+# The user API.
+from kfac_jax_lite.transform import KfacState as KfacState
+from kfac_jax_lite.transform import kfac as kfac
+from kfac_jax_lite.optimizer import KfacOptimizerState as KfacOptimizerState
+from kfac_jax_lite.optimizer import kfac_optimizer as kfac_optimizer
+from kfac_jax_lite.estimators import ESTIMATIONS as ESTIMATIONS
+from kfac_jax_lite.estimators import Estimate as Estimate
+from kfac_jax_lite.estimators import (
+    value_grad_and_stats as value_grad_and_stats)
+from kfac_jax_lite.tagging import describe as describe
+from kfac_jax_lite.health import Health as Health
+from kfac_jax_lite.health import health as health
+from kfac_jax_lite.distributions import (
+    PredictiveDistribution as PredictiveDistribution)
+from kfac_jax_lite.losses import gaussian_nll as gaussian_nll
+from kfac_jax_lite.losses import l2_loss as l2_loss
+from kfac_jax_lite.losses import registered_loss as registered_loss
 from kfac_jax_lite.losses import (
-    gaussian_nll, l2_loss, registered_loss, sigmoid_binary_cross_entropy,
-    softmax_cross_entropy, softmax_cross_entropy_with_integer_labels,
-    squared_error)
-from kfac_jax_lite.estimators import ESTIMATIONS, Estimate, value_grad_and_stats
-from kfac_jax_lite.optimizer import KfacOptimizerState, kfac_optimizer
-from kfac_jax_lite.transform import KfacState, kfac
-from kfac_jax_lite.tagging import Layer, TaggedLoss, describe, find_layers
-from kfac_jax_lite.factor import (
-    FactorCache, FactorState, damped_cholesky, damped_matpower, factor_value,
-    init_factor, multiply, multiply_inverse, multiply_matpower, refresh_cache,
-    update_cov)
+    sigmoid_binary_cross_entropy as sigmoid_binary_cross_entropy)
+from kfac_jax_lite.losses import softmax_cross_entropy as softmax_cross_entropy
+from kfac_jax_lite.losses import (
+    softmax_cross_entropy_with_integer_labels as
+    softmax_cross_entropy_with_integer_labels)
+from kfac_jax_lite.losses import squared_error as squared_error
+
+# Low level, importable from the top package (docs/design.md).
+from kfac_jax_lite.factor import FactorState as FactorState
+from kfac_jax_lite.factor import damped_matpower as damped_matpower
+from kfac_jax_lite.factor import multiply_inverse as multiply_inverse
+from kfac_jax_lite.factor import update_cov as update_cov
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DiagonalConv", "DiagonalDense", "FactorCache", "FactorState", "Full", "KroneckerConv",
-    "KroneckerDense", "KroneckerEmbedding", "KroneckerState", "NaiveDiagonal",
-    "ScaleAndShift", "blocks", "damped_cholesky", "damped_matpower",
-    "factor_value", "init_factor", "multiply", "multiply_inverse",
-    "multiply_matpower", "refresh_cache", "update_cov",
-    "KfacOptimizerState", "kfac_optimizer", "KfacState", "kfac", "ESTIMATIONS", "Estimate", "value_grad_and_stats",
-    "Layer", "TaggedLoss", "describe", "find_layers",
+    # optax transforms and their states
+    "kfac", "KfacState", "kfac_optimizer", "KfacOptimizerState",
+    # one pass: loss, gradient and curvature statistics
+    "value_grad_and_stats", "Estimate", "ESTIMATIONS",
+    # inspection
+    "describe", "health", "Health",
+    # registered losses
     "PredictiveDistribution", "gaussian_nll", "l2_loss", "registered_loss",
     "sigmoid_binary_cross_entropy", "softmax_cross_entropy",
     "softmax_cross_entropy_with_integer_labels", "squared_error",
+    # low level (docs/design.md)
+    "FactorState", "update_cov", "damped_matpower", "multiply_inverse",
+    # submodules
+    "blocks", "estimators", "factor", "laplace", "losses", "tagging",
 ]
-from kfac_jax_lite.health import Health, health
-__all__ += ["Health", "health"]
-from kfac_jax_lite import laplace

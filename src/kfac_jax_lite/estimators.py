@@ -23,8 +23,8 @@ estimation mode:
   without a registered loss too: the layer cotangents of ``L`` itself are
   used, assuming ``L`` is a mean over the batch (``c_i = 1/N``, ``h_i = N
   ∂L/∂y_i``), so ``kfl.squared_error(o, t).mean()`` and ``jnp.mean((o -
-  t) ** 2)`` give the same statistics. Fallback blocks see ``√N ∇L`` in
-  both cases.
+  t) ** 2)`` give the same statistics. Without a registered loss fallback
+  blocks see ``√N ∇L`` (no per-example gradients: exact for one example).
 * ``"curvature_prop"`` — ``u = B r`` with ``B Bᵀ = M`` and Rademacher ``r``
   (Martens et al. 2012).
 * ``"exact"`` — every column of ``B`` (one batched backward pass over the
@@ -34,10 +34,19 @@ estimation mode:
   from the Fisher only for losses not in natural parameters.
 
 Both backward passes (the gradient's and the statistics') reuse the
-residuals of the single forward pass (one ``jax.vjp``). Fallback blocks,
-which need parameter gradients rather than layer data, take the parameter
-gradient of ``Σ_e √c_e u_e`` (one more backward pass, only when there are
-fallbacks): its expected outer product is the curvature of ``L``.
+residuals of the single forward pass (one ``jax.vjp``). Fallback blocks
+need parameter gradients rather than layer data (only when there are
+fallbacks):
+
+* in the sampled modes (``"fisher"``, ``"curvature_prop"``, and their
+  ``_ggn`` variants) the parameter gradient of ``Σ_e √c_e u_e`` per sample
+  (one more backward pass each): the examples' draws are independent and
+  zero-mean, so its expected outer product is the curvature of ``L``;
+* in ``"exact"``, ``"exact_ggn"`` and ``"empirical"`` (``PER_EXAMPLE_
+  FALLBACKS``) the directions are not random, and one batch gradient's
+  outer product would add cross-example terms ``J_iᵀ b_i b_jᵀ J_j``: each
+  example's own gradient is taken instead (``N`` backward passes per
+  column or sample, ``vmap``-ed), so the block is exact over a batch.
 
 Every quantity keeps the parameters' precision: ``c``, the square roots
 and the cotangents are at least float32 and stay float64 under
@@ -55,6 +64,9 @@ from kfac_jax_lite import tagging
 
 ESTIMATIONS = ("fisher", "empirical", "curvature_prop", "exact",
                "curvature_prop_ggn", "exact_ggn")
+# The modes whose directions are not random: a fallback block gets the
+# per-example gradients (N backward passes per sample), see the module doc.
+PER_EXAMPLE_FALLBACKS = ("empirical", "exact", "exact_ggn")
 
 
 class Estimate(NamedTuple):
@@ -173,11 +185,68 @@ def _state_of(states, layer):
   return None if states is None else states[layer.name]
 
 
+def _samples_of(layer, data):
+  """The samples axis of a layer's cotangents ``[L?, S, ...]`` (None for
+  a block that consumes per-example gradients)."""
+  if data.cotangents is None:
+    return None
+  return data.cotangents.shape[1 if layer.stack else 0]
+
+
 def _layer_stats(tagged, caps, cots, c_i, states):
-  """Every detected layer's statistics from its captured data."""
+  """Every detected layer's statistics from its captured data.
+
+  ``cots``: ``{probe uid: [S, ...]}``. A layer whose data no longer has the
+  S samples apart (a tied embedding: its transposed use folds them into
+  the positions, exact for Kronecker factors only) gets the mean over the
+  samples of its statistics from one sample at a time: every block's
+  statistics are a mean over samples of one sample's, but a sum of squares
+  (a diagonal block) of folded samples would square their sum.
+  """
   data = tagged.layer_data(caps, cots, c_i)
-  return {l.name: l.block.layer_stats(data[l.name], _state_of(states, l))
-          for l in tagged.detected}
+  num_samples = next(iter(cots.values())).shape[0] if cots else 1
+  folded = [l for l in tagged.detected
+            if _samples_of(l, data[l.name]) not in (None, num_samples)]
+  folded_names = {l.name for l in folded}
+  stats = {l.name: l.block.layer_stats(data[l.name], _state_of(states, l))
+           for l in tagged.detected if l.name not in folded_names}
+  if folded:
+    def one_sample(cot):
+      one = tagged.layer_data(caps, {u: x[None] for u, x in cot.items()}, c_i)
+      return {l.name: l.block.layer_stats(one[l.name], _state_of(states, l))
+              for l in folded}
+
+    def add(total, cot):
+      return jax.tree.map(jnp.add, total, one_sample(cot)), None
+    # A scan, not a vmap: one sample's statistics in memory at a time.
+    total, _ = jax.lax.scan(add, one_sample(jax.tree.map(lambda x: x[0], cots)),
+                            jax.tree.map(lambda x: x[1:], cots))
+    stats.update(jax.tree.map(lambda x: x / num_samples, total))
+  return stats
+
+
+def _split_by_example(directions, c_i):
+  """Output cotangents ``[S, N, ...]`` split by example: ``[N·S, N, ...]``,
+  row ``(j, s)`` example ``j``'s part of sample ``s`` (zero elsewhere)
+  times ``√(N c_j)``.
+
+  From directions whose example ``i`` part gives ``∂ℓ_i``'s cotangents
+  (``√(c_e/c_i) u_e`` or ``(c_e/c_i) ∇ℓ_e``), the parameter gradients of
+  the rows are ``√(N c_j) ∇ℓ_j`` per sample: their mean outer product over
+  the ``N·S`` rows is ``Σ_j c_j (1/S) Σ_s ∇ℓ_js ∇ℓ_jsᵀ``, with no
+  cross-example terms.
+  """
+  n = c_i.shape[0]
+  scale = jnp.sqrt(n * jnp.maximum(c_i, 0))
+  if n == 1:  # One example (or a loss without an example axis).
+    return jax.tree.map(lambda x: x * scale[0].astype(x.dtype), directions)
+
+  def split(x):  # [S, N, ...] -> [N·S, N, ...]
+    trail = (1,) * (x.ndim - 2)
+    mask = jnp.eye(n, dtype=x.dtype) * scale.astype(x.dtype)[:, None]
+    rows = x[None] * mask.reshape((n, 1, n) + trail)
+    return rows.reshape((n * x.shape[0],) + x.shape[1:])
+  return jax.tree.map(split, directions)
 
 
 def _fallback_stats(tagged, param_grads, states):
@@ -240,7 +309,11 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
   _, h = back(d)
   stats = _layer_stats(tagged, caps, {u: h[u] for u in layer_uids}, c_i,
                        states)
-  if has_fallbacks:
+  if has_fallbacks and estimation in PER_EXAMPLE_FALLBACKS:
+    # Exact directions: one backward pass per example and sample.
+    fb_grads, _ = back(_split_by_example(d, c_i))
+    stats.update(_fallback_stats(tagged, fb_grads, states))
+  elif has_fallbacks:  # Sampled: cross-example terms vanish in expectation.
     d_fb, _ = _output_cotangents(tagged, caps, c_elems, c_i, estimation,
                                  k_fallback, num_samples, False)
     fb_grads, _ = back(d_fb)
@@ -385,9 +458,9 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
       the dearer choice for any ``f < 1/2``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     blocks: curvature block overrides per parameter path or layer kind, as
-      in ``kfl.kfac`` (see ``kfl.find_layers``); ``exclude``: parameter
-      paths (or patterns) left out of the curvature (their gradient passes
-      through).
+      in ``kfl.kfac`` (see ``kfl.tagging.find_layers``); ``exclude``:
+      parameter paths (or patterns) left out of the curvature (their
+      gradient passes through).
     weight_sharing: ``"expand"`` or ``"reduce"`` (Eschenhagen et al. 2023)
       for layers applied over extra axes (sequence positions), as in
       ``kfl.kfac``; it must match the transform's for the statistics to fit

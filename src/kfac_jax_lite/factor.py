@@ -59,6 +59,15 @@ from jax.scipy import linalg as jsl
 
 from kfac_jax_lite import _inverse
 
+__all__ = [
+    "AUTO_DEFAULT", "AUTO_METHODS", "CACHE_KINDS", "FactorCache",
+    "FactorState", "INVERSE_METHODS", "all_finite", "cache_kind",
+    "check_inverse_method", "damped_cholesky", "damped_matpower", "eigh",
+    "factor_value", "init_factor", "is_diagonal", "multiply",
+    "multiply_inverse", "multiply_matpower", "refresh_cache", "update_cov",
+    "update_cov_if",
+]
+
 Array = jax.Array
 
 CACHE_KINDS = ("power", "eigh")

@@ -179,12 +179,10 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
   inner = transform.kfac(loss_fn, example_batch, has_aux=has_aux,
                          damping=initial_damping, **kfac_options)
   omega = damping_decay ** interval
-  tagged_cache = {}
 
   def tagged_for(params):
-    tagged = transform.find_layers_cached(
-        tagged_cache, loss_fn, params, example_batch, has_aux=has_aux,
-        exclude=kfac_options.get("exclude", ()))
+    # The preconditioner's own detection: one trace of loss_fn serves both.
+    tagged = inner.update.layers(params)
     if not tagged.losses:
       raise ValueError("kfac_optimizer needs a registered loss (e.g. "
                        "kfl.softmax_cross_entropy) for its quadratic model")

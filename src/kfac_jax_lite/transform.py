@@ -369,7 +369,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     blocks: overrides of the curvature block per parameter path or layer
       kind (``"kronecker"``, ``"diagonal"``, ``"full"``,
       ``"naive_diagonal"``, ``"ekfac"`` for eigenvalue-corrected K-FAC on
-      dense and conv layers, or a block instance; see ``kfl.find_layers``).
+      dense and conv layers, or a block instance; see
+      ``kfl.tagging.find_layers``).
     exclude: parameter paths (or patterns) left out of the curvature; their
       gradient passes through unchanged.
     weight_sharing: for a layer applied over extra axes (sequence
@@ -397,7 +398,9 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     damping=None)``, which needs ``params`` and either ``batch=`` (the
     statistics take their own pass on its first ``stats_fraction``) or
     ``stats=`` (an ``Estimate.stats``); ``damping`` overrides the
-    configured one for that call (see ``damping``).
+    configured one for that call (see ``damping``). ``tx.update.layers(
+    params)``: the ``tagging.TaggedLoss`` it uses (one trace per params
+    signature, with the blocks), shared by ``kfl.kfac_optimizer``.
   """
   estimators.check_estimation(estimation, num_samples)
   fac.check_inverse_method(inverse_method)
@@ -495,4 +498,5 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
         + count(~fac.all_finite(params)))
     return jax.tree.unflatten(treedef, out), new_state
 
+  update_fn.layers = tagged_for
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -271,8 +271,8 @@ class FlatBlock(Block):
 
   def multiply_matpower(self, state, v, damping, exp, use_cache=False):
     if use_cache:  # The cache holds the damped power chosen at refresh.
-      return self._apply(v, lambda x: fac._apply(
-          state.cache.matpower, x, self.diagonal))
+      return self._apply(v, lambda x: fac.multiply_matpower(
+          state, x, damping, exp, use_cache=True))
     return self._apply(v, lambda x: fac.multiply_matpower(state, x, damping, exp))
 
   def multiply_inverse(self, state, v, damping, use_cache=False):

@@ -139,7 +139,7 @@ def example_columns(tagged, params, batch, key, *, estimation, num_samples,
 
     def outputs(s):
       _, _, caps = tagged.apply(_merge(params, leaves, s), example, probes)
-      outs = tuple(tuple(caps[t.uid][:t.num_outputs]) for t in tagged.losses)
+      outs = tuple(tuple(t.split(caps)[0]) for t in tagged.losses)
       return outs, caps
 
     outs, vjp_fn, caps = jax.vjp(outputs, sub, has_aux=True)

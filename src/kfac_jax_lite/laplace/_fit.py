@@ -15,9 +15,9 @@ from kfac_jax_lite import tagging
 from kfac_jax_lite.laplace import _columns
 from kfac_jax_lite.laplace import _posterior as P
 
-# Block choices per layer kind (``blocks=`` of ``kfl.find_layers``) of each
-# blockwise structure; "full" is one dense matrix over all parameters. A new
-# blockwise structure (e.g. "ekfac": {"dense": "ekfac", "conv": "ekfac"}) is
+# Block choices per layer kind (``blocks=`` of ``kfl.tagging.find_layers``) of
+# each blockwise structure; "full" is one dense matrix over all parameters. A
+# new blockwise structure (e.g. "ekfac": {"dense": "ekfac", "conv": "ekfac"}) is
 # an entry here, plus a case in ``_spectrum`` (its eigenvalues) and, if its
 # statistics are not all sums over examples, in ``blockwise_step``; its
 # block's ``multiply_matpower`` must apply the damping exactly.
@@ -70,7 +70,8 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
     num_samples: samples per example for the sampled estimations.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     blocks: extra block choices per path or kind for the blockwise
-      structures (see ``kfl.find_layers``), e.g. ``{"*/scale": "full"}``.
+      structures (see ``kfl.tagging.find_layers``), e.g.
+      ``{"*/scale": "full"}``.
     key: PRNG key of the sampled estimations (default ``PRNGKey(0)``).
     progress: show a ``tqdm`` progress bar over the batches when tqdm is
       installed and the output is a terminal.
