@@ -18,7 +18,7 @@ from jax import lax
 from kfac_jax_lite.tagging import _penalties
 from kfac_jax_lite.tagging import _views
 from kfac_jax_lite.tagging._penalties import Penalty, Tail
-from kfac_jax_lite.tagging._views import Regrouped, View
+from kfac_jax_lite.tagging._views import Regrouped, Sliced, View
 
 CALL_PRIMS = {  # primitive name -> param holding the (closed) jaxpr
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
@@ -131,6 +131,13 @@ class Analysis(_penalties.PenaltyWalk):
                 views[0], f"reshaped by `{name}`")
         if new is not None:
           env[eqn.outvars[0]] = new
+      elif (name in ("slice", "split") and isinstance(views[0], View)
+            and all(v is None for v in views[1:])
+            and _views.slice_views(views[0], eqn) is not None):
+        # A block of a kernel (a fused QKV kernel's ``W[:, :d]``): a dense
+        # use of the slice is a column block of the whole kernel's layer.
+        for ov, view in zip(eqn.outvars, _views.slice_views(views[0], eqn)):
+          env[ov] = view
       elif inner_jaxpr(eqn) is not None:
         inner, _ = inner_jaxpr(eqn)
         if len(inner.invars) != len(eqn.invars):
@@ -215,6 +222,9 @@ class Analysis(_penalties.PenaltyWalk):
     name = eqn.primitive.name
     if name != "dot_general" and any(isinstance(v, Regrouped) for v in views):
       fn = lambda *_: f"reshaped by `reshape` before `{name}`"
+    elif name != "dot_general" and any(isinstance(v, Sliced) for v in views):
+      fn = lambda *_: f"sliced before `{name}` (only a dense kernel and its " \
+          "bias may be used in slices)"
     else:
       fn = None
     fn = fn or {"dot_general": self._dense, "conv_general_dilated": self._conv,
@@ -308,7 +318,8 @@ class Analysis(_penalties.PenaltyWalk):
     kv = views[k]
     if isinstance(kv, Regrouped):
       return self._dense_regrouped(i, eqn, k, kv, ctx)
-    if not kv.pure:
+    sliced = isinstance(kv, Sliced)
+    if not kv.pure and not (sliced and None not in kv.dims):
       return "broadcast or reshaped before dot_general"
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     kc, xc = (lc, rc) if k == 0 else (rc, lc)
@@ -333,10 +344,26 @@ class Analysis(_penalties.PenaltyWalk):
       return "a dot_general that contracts every kernel axis"
     base = len(kv.stacked)
     in_axes = tuple(sorted(kv.dims[d] - base for d in kc))
+    config = dict(in_axes=in_axes, kernel_shape=tuple(kv.leaf_shape[base:]))
+    if sliced:
+      window = kv.window[base:]
+      if any(window[a] != (0, config["kernel_shape"][a]) for a in in_axes):
+        return "sliced along a contracted (input) axis before dot_general"
+      config.update(window=window, source=self._source(x, ctx))
     self._record_dense(i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
-                       dict(in_axes=in_axes,
-                            kernel_shape=tuple(kv.leaf_shape[base:])))
+                       config)
     return None
+
+  def _source(self, var, ctx):
+    """A token naming the value ``var`` (stable across traces): the key of
+    the equation that computes it, or of the jaxpr input it is."""
+    jaxpr = ctx["jaxpr"]
+    if var in jaxpr.invars:
+      return ctx["prefix"] + ("in", jaxpr.invars.index(var))
+    for j, eqn in enumerate(jaxpr.eqns):
+      if any(o is var for o in eqn.outvars):
+        return ctx["prefix"] + (j, eqn.outvars.index(var))
+    return ctx["prefix"] + ("const", jaxpr.constvars.index(var))
 
   def _record_dense(self, i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
                     config):
@@ -346,6 +373,8 @@ class Analysis(_penalties.PenaltyWalk):
     probe_i, probe_aval = i, eqn.outvars[0].aval
     roles, labels = {"kernel": kv}, tuple(out_labels)
     found = self._bias_add(eqn.outvars[0], labels, ctx, set(k_free))
+    if found is not None and not _same_block(kv, found, ctx):
+      found = None  # ``x @ W[:, :d] + b[d:]``: not the kernel's own bias.
     if found is not None:
       j, bview, labels = found
       ctx["claimed"].add(j)
@@ -612,6 +641,28 @@ class Analysis(_penalties.PenaltyWalk):
     self._record("scale_and_shift", {"shift": hv}, ctx, None, None, None, i,
                  out.aval, labels, labels, {})
     return None
+
+
+def _window(view, d):
+  return view.window[d] if isinstance(view, Sliced) else (
+      0, view.leaf_shape[d])
+
+
+def _same_block(kv, found, ctx):
+  """Whether the bias of ``found`` (``_bias_add``'s answer) is the block
+  of the bias that matches a sliced kernel ``kv``'s output columns."""
+  j, bview, labels = found
+  if not isinstance(kv, Sliced) and not isinstance(bview, Sliced):
+    return True
+  shape = tuple(ctx["jaxpr"].eqns[j].outvars[0].aval.shape)
+  for lab, e in zip(labels, bview.nonunit(shape)):
+    if e is None or lab[0] != "k":
+      continue
+    d = lab[1]
+    if (kv.leaf_shape[d] != bview.leaf_shape[e]
+        or _window(kv, d) != _window(bview, e)):
+      return False
+  return True
 
 
 def analyse(jaxpr, leaf_shapes):
