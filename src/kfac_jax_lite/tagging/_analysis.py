@@ -260,9 +260,11 @@ class Analysis(_penalties.PenaltyWalk):
       var = eqn.outvars[0]
       chain.append((var, labels, j))
 
-  def _bias_add(self, var, labels, ctx, feature_labels):
+  def _bias_add(self, var, labels, ctx, feature_labels, stack=None):
     """Find ``add(var', bias)`` after ``var`` (through layout ops) where the
-    bias covers exactly the axes labelled in ``feature_labels``.
+    bias covers exactly the axes labelled in ``feature_labels`` (and, for a
+    kernel stacked along a ``dot_general`` batch axis, ``stack``: the axis
+    labelled ``("L",)`` with its own leading axis).
     Returns (add_index, bias_view, out_labels) or None."""
     cands = [(var, labels, None)] + self._follow(var, labels, ctx)
     for v, labs, _ in cands:
@@ -282,6 +284,12 @@ class Analysis(_penalties.PenaltyWalk):
       if shape != tuple(v.aval.shape):
         continue
       nonunit = bview.nonunit(shape)
+      if stack is not None:
+        if bview.stacked or [nonunit[k] for k in range(len(shape))
+                             if labs[k] == ("L",)] != [0]:
+          continue
+        nonunit = tuple(None if labs[k] == ("L",) else d
+                        for k, d in enumerate(nonunit))
       feats = [(labs[k], nonunit[k]) for k in range(len(shape))
                if labs[k] in feature_labels and shape[k] > 1]
       others = [nonunit[k] for k in range(len(shape))
@@ -291,6 +299,8 @@ class Analysis(_penalties.PenaltyWalk):
       order = [b for _, b in sorted(feats, key=lambda t: t[0])]
       if order != sorted(order) or not bview.covers(shape):
         continue
+      if stack is not None:
+        bview = dataclasses.replace(bview, stacked=stack)
       return j, bview, labs
     return None
 
@@ -323,23 +333,34 @@ class Analysis(_penalties.PenaltyWalk):
       return "broadcast or reshaped before dot_general"
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     kc, xc = (lc, rc) if k == 0 else (rc, lc)
-    kb = lb if k == 0 else rb
+    kb, xb = (lb, rb) if k == 0 else (rb, lb)
     if kb:
-      return "a dot_general batch dimension on the kernel (per-group weights)"
+      # Per-head kernels ``W [h, d, e]`` in ``"nhtd,hde->nhte"``: h
+      # independent dense layers, a layer stacked along its leading axis.
+      if len(kb) > 1 or sliced or kv.stacked or kv.dims[kb[0]] != 0:
+        return ("a dot_general batch dimension on the kernel other than "
+                "one leading axis (per-group weights)")
+      kv = dataclasses.replace(kv, stacked=(("batch",) + ctx["prefix"]
+                                            + (i,),))
+      kc = tuple(kc)
     x = eqn.invars[1 - k]
     xnd, knd = len(x.aval.shape), len(kv.dims)
     in_labels, b = [], 0
     for d in range(xnd):
       if d in xc:
         in_labels.append(("k", kv.dims[kc[list(xc).index(d)]]))
+      elif d in xb:
+        in_labels.append(("L",))
       else:
         in_labels.append(("b", b))
         b += 1
     if b == 0:
       return "dot_general with an input that has no example axis"
     x_free = [("b", j) for j in range(b)]
-    k_free = [("k", kv.dims[d]) for d in range(knd) if d not in kc]
-    out_labels = k_free + x_free if k == 0 else x_free + k_free
+    k_free = [("k", kv.dims[d]) for d in range(knd)
+              if d not in kc and d not in kb]
+    out_labels = [("L",)] * len(kb) + (
+        k_free + x_free if k == 0 else x_free + k_free)
     if not k_free:
       return "a dot_general that contracts every kernel axis"
     base = len(kv.stacked)
@@ -372,7 +393,8 @@ class Analysis(_penalties.PenaltyWalk):
     the bias's output is the probed value)."""
     probe_i, probe_aval = i, eqn.outvars[0].aval
     roles, labels = {"kernel": kv}, tuple(out_labels)
-    found = self._bias_add(eqn.outvars[0], labels, ctx, set(k_free))
+    stack = kv.stacked if ("L",) in labels else None
+    found = self._bias_add(eqn.outvars[0], labels, ctx, set(k_free), stack)
     if found is not None and not _same_block(kv, found, ctx):
       found = None  # ``x @ W[:, :d] + b[d:]``: not the kernel's own bias.
     if found is not None:
