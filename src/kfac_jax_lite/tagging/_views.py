@@ -111,8 +111,12 @@ def slice_views(view, eqn):
       if d < len(view.stacked) and (lo, hi) != (0, view.leaf_shape[d]):
         return None  # A scan-stacked axis is sliced per step only.
       w[d] = (w[d][0] + int(lo), w[d][0] + int(hi))
-    out.append(Sliced(view.leaf, view.dims, view.leaf_shape, view.stacked,
-                      tuple(w)))
+    if all(w[d] == (0, view.leaf_shape[d]) for d in view.remaining):
+      # ``pos[:t]`` of a table of t rows is the table itself.
+      out.append(View(view.leaf, view.dims, view.leaf_shape, view.stacked))
+    else:
+      out.append(Sliced(view.leaf, view.dims, view.leaf_shape, view.stacked,
+                        tuple(w)))
   return out
 
 
