@@ -4,7 +4,9 @@ A view records, for each axis of the variable, which axis of the parameter
 leaf it is (``int``) or ``None`` for an axis the view inserted (a unit axis,
 or a broadcast one). Only layout changes are followed: dtype casts, copies,
 transposes, unit-axis reshapes/squeezes, ``broadcast_in_dim`` and the
-per-step slice that ``lax.scan`` takes of a stacked parameter. Anything else
+per-step slice that ``lax.scan`` takes of a stacked parameter. A reshape
+that splits or merges a kernel's axes gives a ``Regrouped`` view, a
+``slice``/``split`` a ``Sliced`` one (a block of the leaf). Anything else
 applied to a parameter ends the view (and is reported as an unmatched use).
 """
 from __future__ import annotations
