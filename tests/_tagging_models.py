@@ -321,3 +321,173 @@ def eqx_cnn():
   batch = (jax.random.normal(kk[0], (N, 2, 5, 5)), jax.random.normal(kk[1], (N, 2, 7)),
            jax.random.randint(kk[2], (N,), 0, 5))
   return loss, params, batch
+
+
+# ------------------------------------------------- GPT-style decoders
+# One layer of a causal decoder as people write it in each framework:
+# token + learned position embeddings (looked up with ``arange``),
+# pre-LayerNorm, causal multi-head attention with a fused QKV kernel, a
+# GELU MLP, and a tied (nnx, Equinox, plain JAX) or untied (linen, Haiku)
+# output head. A tiny char task: each token is followed by the next one
+# (mod V). Each factory returns ``(loss_fn, params, batch)``; the loss is
+# ``kfl.softmax_cross_entropy_with_integer_labels`` (a registered loss).
+GPT_V, GPT_T, GPT_D, GPT_H, GPT_N = 20, 8, 16, 2, 8
+
+
+def gpt_batch(n=GPT_N, seed=1):
+  k = jax.random.split(jax.random.key(seed), 2)
+  start = jax.random.randint(k[0], (n, 1), 0, GPT_V)
+  step = jax.random.randint(k[1], (n, 1), 1, 3)
+  seq = (start + step * jnp.arange(GPT_T + 1)) % GPT_V
+  return seq[:, :-1], seq[:, 1:]
+
+
+def _causal(qkv, heads=GPT_H):
+  """Causal multi-head attention of a fused ``qkv [..., T, 3D]``."""
+  q, k, v = jnp.split(qkv, 3, -1)
+  split = lambda x: x.reshape(x.shape[:-1] + (heads, -1))
+  q, k, v = split(q), split(k), split(v)
+  t = q.shape[-3]
+  att = jnp.einsum("...thd,...shd->...hts", q, k) / jnp.sqrt(q.shape[-1])
+  att = jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -1e9)
+  out = jnp.einsum("...hts,...shd->...thd", jax.nn.softmax(att, -1), v)
+  return out.reshape(out.shape[:-2] + (-1,))
+
+
+def _gpt_xent(logits, targets):
+  import kfac_jax_lite as kfl
+  return kfl.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def gpt_jax():
+  """Plain JAX: the fused kernel split with ``jnp.split(W, 3, -1)`` (and
+  its bias), weight decay in the loss, the output tied to the embedding."""
+  d, k = GPT_D, _keys(6)
+  ln = lambda: {"scale": jnp.ones(d), "bias": jnp.zeros(d)}
+  p = {"wte": 0.1 * _w(k[0], GPT_V, d), "wpe": 0.1 * _w(k[1], GPT_T, d),
+       "ln1": ln(), "ln2": ln(), "lnf": ln(),
+       "qkv": {"w": _w(k[2], d, 3 * d), "b": jnp.zeros(3 * d)},
+       "proj": {"w": _w(k[3], d, d), "b": jnp.zeros(d)},
+       "fc": {"w": _w(k[4], d, 4 * d), "b": jnp.zeros(4 * d)},
+       "out": {"w": _w(k[5], 4 * d, d), "b": jnp.zeros(d)}}
+
+  def loss(p, batch):
+    ids, targets = batch
+    x = p["wte"][ids] + p["wpe"][jnp.arange(ids.shape[1])]
+    h = _layer_norm(x, **p["ln1"])
+    ws, bs = jnp.split(p["qkv"]["w"], 3, -1), jnp.split(p["qkv"]["b"], 3)
+    qkv = jnp.concatenate([h @ w + b for w, b in zip(ws, bs)], -1)
+    x = x + _causal(qkv) @ p["proj"]["w"] + p["proj"]["b"]
+    h = _layer_norm(x, **p["ln2"])
+    h = jax.nn.gelu(h @ p["fc"]["w"] + p["fc"]["b"])
+    x = x + h @ p["out"]["w"] + p["out"]["b"]
+    logits = _layer_norm(x, **p["lnf"]) @ p["wte"].T
+    decay = sum(jnp.sum(p[n]["w"] ** 2) for n in ("qkv", "proj", "fc", "out"))
+    return _gpt_xent(logits, targets) + 1e-4 * decay
+  return loss, p, gpt_batch()
+
+
+def gpt_nnx():
+  from flax import nnx
+  d = GPT_D
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+      self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
+      self.proj = nnx.Linear(d, d, rngs=rngs)
+      self.fc, self.out = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+      x = x + self.proj(_causal(self.qkv(self.ln1(x))))
+      return x + self.out(nnx.gelu(self.fc(self.ln2(x))))
+
+  class GPT(nnx.Module):
+    def __init__(self, rngs):
+      self.wte = nnx.Embed(GPT_V, d, rngs=rngs)
+      self.wpe = nnx.Embed(GPT_T, d, rngs=rngs)
+      self.block = Block(rngs)
+      self.lnf = nnx.LayerNorm(d, rngs=rngs)
+
+    def __call__(self, ids):
+      x = self.wte(ids) + self.wpe(jnp.arange(ids.shape[1]))
+      return self.wte.attend(self.lnf(self.block(x)))   # tied head
+  graphdef, state = nnx.split(GPT(nnx.Rngs(0)))
+  params = nnx.to_pure_dict(state)
+
+  def loss(p, batch):
+    st = jax.tree.map(lambda x: x, state)
+    nnx.replace_by_pure_dict(st, p)
+    return _gpt_xent(nnx.merge(graphdef, st)(batch[0]), batch[1])
+  return loss, params, gpt_batch()
+
+
+def gpt_linen():
+  import flax.linen as nn
+  d = GPT_D
+
+  class GPT(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      x = nn.Embed(GPT_V, d)(ids) + nn.Embed(GPT_T, d)(jnp.arange(ids.shape[1]))
+      x = x + nn.Dense(d, name="proj")(_causal(nn.Dense(3 * d, name="qkv")(
+          nn.LayerNorm()(x))))
+      h = nn.gelu(nn.Dense(4 * d, name="fc")(nn.LayerNorm()(x)))
+      x = x + nn.Dense(d, name="out")(h)
+      return nn.Dense(GPT_V, use_bias=False, name="head")(nn.LayerNorm()(x))
+  m = GPT()
+  ids, targets = gpt_batch()
+  params = m.init(jax.random.key(0), ids)
+  return (lambda p, b: _gpt_xent(m.apply(p, b[0]), b[1])), params, (ids, targets)
+
+
+def gpt_eqx():
+  import equinox as eqx
+  d, k = GPT_D, _keys(6)
+
+  class GPT(eqx.Module):
+    wte: eqx.nn.Embedding
+    wpe: eqx.nn.Embedding
+    ln1: eqx.nn.LayerNorm
+    ln2: eqx.nn.LayerNorm
+    lnf: eqx.nn.LayerNorm
+    qkv: eqx.nn.Linear
+    proj: eqx.nn.Linear
+    fc: eqx.nn.Linear
+    out: eqx.nn.Linear
+
+    def __call__(self, ids):   # One sequence [T].
+      tok = lambda f, x: jax.vmap(f)(x)
+      x = tok(self.wte, ids) + tok(self.wpe, jnp.arange(ids.shape[0]))
+      x = x + tok(self.proj, _causal(tok(self.qkv, tok(self.ln1, x))))
+      x = x + tok(self.out, jax.nn.gelu(tok(self.fc, tok(self.ln2, x))))
+      return tok(self.lnf, x) @ self.wte.weight.T   # tied head
+  model = GPT(eqx.nn.Embedding(GPT_V, d, key=k[0]),
+              eqx.nn.Embedding(GPT_T, d, key=k[1]), eqx.nn.LayerNorm(d),
+              eqx.nn.LayerNorm(d), eqx.nn.LayerNorm(d),
+              eqx.nn.Linear(d, 3 * d, key=k[2]), eqx.nn.Linear(d, d, key=k[3]),
+              eqx.nn.Linear(d, 4 * d, key=k[4]), eqx.nn.Linear(4 * d, d, key=k[5]))
+  params, static = eqx.partition(model, eqx.is_array)
+
+  def loss(p, batch):
+    m = eqx.combine(p, static)
+    return _gpt_xent(jax.vmap(m)(batch[0]), batch[1])
+  return loss, params, gpt_batch()
+
+
+def gpt_haiku():
+  import haiku as hk
+  d = GPT_D
+
+  def f(ids):
+    t = ids.shape[1]
+    pos = hk.get_parameter("pos", [GPT_T, d], init=hk.initializers.TruncatedNormal(0.02))
+    x = hk.Embed(GPT_V, d)(ids) + pos[:t]
+    ln = lambda: hk.LayerNorm(-1, True, True)
+    x = x + hk.Linear(d, name="proj")(_causal(hk.Linear(3 * d, name="qkv")(ln()(x))))
+    x = x + hk.Linear(d, name="out")(jax.nn.gelu(hk.Linear(4 * d, name="fc")(ln()(x))))
+    return hk.Linear(GPT_V, with_bias=False, name="head")(ln()(x))
+  t = hk.without_apply_rng(hk.transform(f))
+  ids, targets = gpt_batch()
+  params = t.init(jax.random.key(0), ids)
+  return (lambda p, b: _gpt_xent(t.apply(p, b[0]), b[1])), params, (ids, targets)

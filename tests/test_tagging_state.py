@@ -162,3 +162,53 @@ def test_batchnorm_kfac_update(name):
   # A preconditioned step against the gradient lowers the loss.
   new = optax.apply_updates(params, jax.tree.map(lambda x: -0.05 * x, u))
   assert value(new) < value(params)
+
+
+def test_batch_dtype_changes_between_steps():
+  # Under x64, linen's updated running statistics come back float64 while
+  # the example batch (and step 0) had float32 ones: ``kfac`` detects the
+  # layers again for the new batch signature, finds the same blocks, and
+  # the update works. A batch whose layers differ gets a clear error.
+  # All abstract (``eval_shape``): the failure was at trace time, and
+  # compiling the update is what would cost.
+  import flax.linen as nn
+  from _helpers import x64_mode
+
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3)(nn.BatchNorm(use_running_average=False)(x))
+  with x64_mode(True):
+    m = M()
+    x = jax.ShapeDtypeStruct((N, D), jnp.float64)
+    y = jax.ShapeDtypeStruct((N,), jnp.int32)
+    v = jax.eval_shape(m.init, jax.random.key(1), x)
+    params, stats = v["params"], v["batch_stats"]
+    assert jax.tree.leaves(stats)[0].dtype == jnp.float32
+
+    def loss(params, batch):
+      x, y, stats = batch
+      out, new = m.apply({"params": params, "batch_stats": stats}, x,
+                         mutable=["batch_stats"])
+      return _xent(out, y), new["batch_stats"]
+    new = jax.eval_shape(loss, params, (x, y, stats))[1]
+    assert jax.tree.leaves(new)[0].dtype == jnp.float64
+    tx = kfl.kfac(loss, (x, y, stats), has_aux=True, damping=1e-2)
+    state = jax.eval_shape(tx.init, params)
+    update = lambda g, s, p, b: tx.update(g, s, p, batch=b)
+    for b in ((x, y, stats), (x, y, new)):   # step 0, step 1
+      u, out = jax.eval_shape(update, params, state, params, b)
+      assert jax.tree.structure(out) == jax.tree.structure(state)
+      assert [(a.shape, a.dtype) for a in jax.tree.leaves(out)] == [
+          (a.shape, a.dtype) for a in jax.tree.leaves(state)]
+      assert jax.tree.map(lambda a: a.dtype, u) == jax.tree.map(
+          lambda a: a.dtype, params)
+
+    def switch(p, x):  # A dense layer for float32 inputs only.
+      h = x @ p["w"] if x.dtype == jnp.float32 else x * p["w"][:, 0]
+      return kfl.squared_error(h.sum(-1, keepdims=True)).mean()
+    p = {"w": jax.ShapeDtypeStruct((D, 2), jnp.float32)}
+    tx = kfl.kfac(switch, jax.ShapeDtypeStruct((N, D), jnp.float32))
+    state = jax.eval_shape(tx.init, p)
+    with pytest.raises(ValueError, match="layers found for this batch differ"):
+      jax.eval_shape(lambda s, p, b: tx.update(p, s, p, batch=b), state, p, x)

@@ -88,14 +88,36 @@ def float_dtype(tree):
       if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)])
 
 
+def _signature(tree):
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((tuple(jnp.shape(x)), str(jnp.result_type(x)))
+                        for x in leaves)
+
+
 def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):
   """``tagging.find_layers`` (the detection, no blocks), once per params
-  structure, shapes and dtypes."""
-  leaves, treedef = jax.tree.flatten(params)
-  sig = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+  and batch structure, shapes and dtypes (a batch whose dtypes change
+  between steps, e.g. BatchNorm statistics that come back float64 under
+  ``jax_enable_x64``, traces differently: it gets its own detection)."""
+  sig = (_signature(params), _signature(example_batch))
   if sig not in cache:
     cache[sig] = tagging.find_layers(loss_fn, params, example_batch, **options)
   return cache[sig]
+
+
+def _check_same_layers(expected, got):
+  """A detection for another batch must give the example batch's blocks
+  (the state holds theirs)."""
+  key = lambda t: [(l.name, l.params, l.spec, l.block, l.row_uses)
+                   for l in t.layers]
+  if key(got) != key(expected):
+    raise ValueError(
+        "kfac: the layers found for this batch differ from those of the "
+        "example batch (its shapes or dtypes make the loss trace "
+        f"differently): {[l.name for l in got.layers]} with blocks "
+        f"{[type(l.block).__name__ for l in got.layers]} vs "
+        f"{[l.name for l in expected.layers]}; pass an example batch like "
+        "the batches you train on")
 
 
 def _per_slice(layer, fn):
@@ -420,14 +442,18 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
   detection_cache: dict = {}
   with_blocks: dict = {}
 
-  def tagged_for(params) -> tagging.TaggedLoss:
-    """The layers of ``params``' structure, with their blocks."""
+  def tagged_for(params, batch=None) -> tagging.TaggedLoss:
+    """The layers of ``params``' structure for ``batch`` (None: the
+    example batch), with their blocks; the same blocks as for the example
+    batch, or an error."""
     tagged = find_layers_cached(detection_cache, loss_fn, params,
-                                example_batch, has_aux=has_aux,
-                                exclude=exclude)
+                                example_batch if batch is None else batch,
+                                has_aux=has_aux, exclude=exclude)
     if tagged not in with_blocks:
       with_blocks[tagged] = tagged.with_blocks(
           blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
+    if batch is not None:
+      _check_same_layers(tagged_for(params), with_blocks[tagged])
     return with_blocks[tagged]
 
   def init_fn(params):
@@ -453,6 +479,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
       if jax.tree.structure(batch) != tagged.batch_treedef:
         raise ValueError(f"batch structure {jax.tree.structure(batch)} differs "
                          f"from the example batch's {tagged.batch_treedef}")
+      tagged = tagged_for(params, batch)
       if stats is None:
         estimators.stats_batch_size(batch, stats_fraction, "kfac.update")
     layers = tagged.layers

@@ -80,19 +80,39 @@ gradients, for ``Full``/``NaiveDiagonal`` overrides, sum each use's own
 and keep the samples apart.) All of this is the dense kind's
 (``_kinds/dense.py``).
 
+Kernel views and repeated kernels
+---------------------------------
+* A kernel **reshaped** by splitting or merging axes (``W.reshape(d, h,
+  e)``, ``conv_kernel.reshape(-1, c_out)``) is a dense layer of the stored
+  kernel (``_views.Regrouped``).
+* A kernel **sliced** along its output axes before use (a fused QKV
+  kernel: ``W[:, :d]``, ``W[:, d:2d]``, ``jnp.split(W, 3, -1)``, with the
+  matching bias slices; ``_views.Sliced``) is ONE dense layer over the
+  whole stored kernel: the slices are column blocks of ``x @ W``. Slices
+  applied to the same input sum their cotangents, each zero outside its
+  columns, so A is the input's and G is over the full output (exact);
+  slices applied to different inputs are weight-sharing uses of it.
+* **Per-head kernels** with a ``dot_general`` batch axis (``"nhtd,hde->
+  nhte"`` with ``W [h, d, e]``, its leading axis) are h independent dense
+  layers: a layer stacked along that axis (``Stacked`` block), like a
+  scan-stacked one, with a per-head bias ``[h, e]``.
+* A **conv kernel used more than once** (siamese) or at every step of a
+  ``lax.scan`` is one KFC layer whose applications are weight-sharing
+  positions ("expand", ``_kinds/conv.py``).
+The matching of these views to the equations around them is
+``_matching``.
+
 Unsupported (fallback with the reason)
 --------------------------------------
-* a conv kernel used more than once, or reused at every step of a scan;
-* a kernel with ``dot_general`` batch axes (per-head weights
-  ``"bhd,hde->bhe"``), kernels sliced or transposed-then-reshaped before
-  use, a reshaped kernel contracted over part of a split axis (a kernel
-  reshaped by splitting or merging axes, ``W.reshape(d, h, e)`` or
-  ``conv_kernel.reshape(-1, c_out)``, is a dense layer of the stored
-  kernel: ``_views.Regrouped``), products of two parameters, parameters in
-  a scan carry, layers inside ``while_loop``, parameters stacked over two
-  nested scans;
+* a kernel sliced along a contracted (input) axis, a slice used by
+  anything but a dense layer and its bias, ``dot_general`` batch axes on
+  a kernel other than one leading axis, kernels transposed-then-reshaped
+  before use, a reshaped kernel contracted over part of a split axis,
+  products of two parameters, parameters in a scan carry, layers inside
+  ``while_loop``, parameters stacked over two nested scans;
 * a bias added after only some uses, an embedding gathered along its
-  second axis, a convolution whose batch axis is not the batch's;
+  second axis, a convolution whose batch axis is not the batch's, conv
+  uses with different windows or input shapes;
 * ``shard_map``/``pmap`` and other primitives with inner jaxprs.
 
 A custom_jvp/custom_vjp function that contains a layer is replaced by

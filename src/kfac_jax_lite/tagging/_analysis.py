@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 from jax import lax
 
+from kfac_jax_lite.tagging import _matching
 from kfac_jax_lite.tagging import _penalties
 from kfac_jax_lite.tagging import _views
 from kfac_jax_lite.tagging._penalties import Penalty, Tail
-from kfac_jax_lite.tagging._views import Regrouped, View
+from kfac_jax_lite.tagging._views import Regrouped, Sliced, View
 
 CALL_PRIMS = {  # primitive name -> param holding the (closed) jaxpr
     "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
@@ -68,7 +69,7 @@ def inner_jaxpr(eqn):
   return j, ()
 
 
-class Analysis(_penalties.PenaltyWalk):
+class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
 
   def __init__(self):
     self.uses: list[Use] = []
@@ -131,6 +132,13 @@ class Analysis(_penalties.PenaltyWalk):
                 views[0], f"reshaped by `{name}`")
         if new is not None:
           env[eqn.outvars[0]] = new
+      elif (name in ("slice", "split") and isinstance(views[0], View)
+            and all(v is None for v in views[1:])
+            and _views.slice_views(views[0], eqn) is not None):
+        # A block of a kernel (a fused QKV kernel's ``W[:, :d]``): a dense
+        # use of the slice is a column block of the whole kernel's layer.
+        for ov, view in zip(eqn.outvars, _views.slice_views(views[0], eqn)):
+          env[ov] = view
       elif inner_jaxpr(eqn) is not None:
         inner, _ = inner_jaxpr(eqn)
         if len(inner.invars) != len(eqn.invars):
@@ -215,6 +223,9 @@ class Analysis(_penalties.PenaltyWalk):
     name = eqn.primitive.name
     if name != "dot_general" and any(isinstance(v, Regrouped) for v in views):
       fn = lambda *_: f"reshaped by `reshape` before `{name}`"
+    elif name != "dot_general" and any(isinstance(v, Sliced) for v in views):
+      fn = lambda *_: f"sliced before `{name}` (only a dense kernel and its " \
+          "bias may be used in slices)"
     else:
       fn = None
     fn = fn or {"dot_general": self._dense, "conv_general_dilated": self._conv,
@@ -224,65 +235,6 @@ class Analysis(_penalties.PenaltyWalk):
       for v in views:
         if v is not None:
           self._opaque(v, reason, ctx["where"])
-
-  def _single_consumer(self, var, ctx):
-    cons = ctx["consumers"].get(var, [])
-    if len(cons) != 1 or var in ctx["outset"]:
-      return None
-    return cons[0]
-
-  def _follow(self, var, labels, ctx):
-    """Follow single-consumer layout ops from ``var``: [(var, labels, idx)]."""
-    chain = []
-    while True:
-      j = self._single_consumer(var, ctx)
-      if j is None:
-        return chain
-      eqn = ctx["jaxpr"].eqns[j]
-      if eqn.primitive.name == "broadcast_in_dim":
-        return chain
-      mapping = _views.layout_map(eqn) if (
-          eqn.primitive.name in _views.IDENTITY_PRIMS
-          or eqn.primitive.name in _views.LAYOUT_PRIMS) else None
-      if mapping is None:
-        return chain
-      labels = tuple(("u",) if m is None else labels[m] for m in mapping)
-      var = eqn.outvars[0]
-      chain.append((var, labels, j))
-
-  def _bias_add(self, var, labels, ctx, feature_labels):
-    """Find ``add(var', bias)`` after ``var`` (through layout ops) where the
-    bias covers exactly the axes labelled in ``feature_labels``.
-    Returns (add_index, bias_view, out_labels) or None."""
-    cands = [(var, labels, None)] + self._follow(var, labels, ctx)
-    for v, labs, _ in cands:
-      j = self._single_consumer(v, ctx)
-      if j is None:
-        continue
-      eqn = ctx["jaxpr"].eqns[j]
-      if eqn.primitive.name != "add" or j in ctx["claimed"]:
-        continue
-      other = [w for w in eqn.invars if w is not v]
-      if len(other) != 1 or not _is_var(other[0]):
-        continue
-      bview = ctx["env"].get(other[0])
-      if not isinstance(bview, View):
-        continue
-      shape = tuple(eqn.outvars[0].aval.shape)
-      if shape != tuple(v.aval.shape):
-        continue
-      nonunit = bview.nonunit(shape)
-      feats = [(labs[k], nonunit[k]) for k in range(len(shape))
-               if labs[k] in feature_labels and shape[k] > 1]
-      others = [nonunit[k] for k in range(len(shape))
-                if not (labs[k] in feature_labels and shape[k] > 1)]
-      if any(o is not None for o in others) or any(b is None for _, b in feats):
-        continue
-      order = [b for _, b in sorted(feats, key=lambda t: t[0])]
-      if order != sorted(order) or not bview.covers(shape):
-        continue
-      return j, bview, labs
-    return None
 
   def _record(self, kind, roles, ctx, cap_i, capture, cap_aval, probe_i,
               probe_aval, in_labels, out_labels, config, examples=None):
@@ -308,34 +260,51 @@ class Analysis(_penalties.PenaltyWalk):
     kv = views[k]
     if isinstance(kv, Regrouped):
       return self._dense_regrouped(i, eqn, k, kv, ctx)
-    if not kv.pure:
+    sliced = isinstance(kv, Sliced)
+    if not kv.pure and not (sliced and None not in kv.dims):
       return "broadcast or reshaped before dot_general"
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     kc, xc = (lc, rc) if k == 0 else (rc, lc)
-    kb = lb if k == 0 else rb
+    kb, xb = (lb, rb) if k == 0 else (rb, lb)
     if kb:
-      return "a dot_general batch dimension on the kernel (per-group weights)"
+      # Per-head kernels ``W [h, d, e]`` in ``"nhtd,hde->nhte"``: h
+      # independent dense layers, a layer stacked along its leading axis.
+      if len(kb) > 1 or sliced or kv.stacked or kv.dims[kb[0]] != 0:
+        return ("a dot_general batch dimension on the kernel other than "
+                "one leading axis (per-group weights)")
+      kv = dataclasses.replace(kv, stacked=(("batch",) + ctx["prefix"]
+                                            + (i,),))
+      kc = tuple(kc)
     x = eqn.invars[1 - k]
     xnd, knd = len(x.aval.shape), len(kv.dims)
     in_labels, b = [], 0
     for d in range(xnd):
       if d in xc:
         in_labels.append(("k", kv.dims[kc[list(xc).index(d)]]))
+      elif d in xb:
+        in_labels.append(("L",))
       else:
         in_labels.append(("b", b))
         b += 1
     if b == 0:
       return "dot_general with an input that has no example axis"
     x_free = [("b", j) for j in range(b)]
-    k_free = [("k", kv.dims[d]) for d in range(knd) if d not in kc]
-    out_labels = k_free + x_free if k == 0 else x_free + k_free
+    k_free = [("k", kv.dims[d]) for d in range(knd)
+              if d not in kc and d not in kb]
+    out_labels = [("L",)] * len(kb) + (
+        k_free + x_free if k == 0 else x_free + k_free)
     if not k_free:
       return "a dot_general that contracts every kernel axis"
     base = len(kv.stacked)
     in_axes = tuple(sorted(kv.dims[d] - base for d in kc))
+    config = dict(in_axes=in_axes, kernel_shape=tuple(kv.leaf_shape[base:]))
+    if sliced:
+      window = kv.window[base:]
+      if any(window[a] != (0, config["kernel_shape"][a]) for a in in_axes):
+        return "sliced along a contracted (input) axis before dot_general"
+      config.update(window=window, source=self._source(x, ctx))
     self._record_dense(i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
-                       dict(in_axes=in_axes,
-                            kernel_shape=tuple(kv.leaf_shape[base:])))
+                       config)
     return None
 
   def _record_dense(self, i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
@@ -345,7 +314,10 @@ class Analysis(_penalties.PenaltyWalk):
     the bias's output is the probed value)."""
     probe_i, probe_aval = i, eqn.outvars[0].aval
     roles, labels = {"kernel": kv}, tuple(out_labels)
-    found = self._bias_add(eqn.outvars[0], labels, ctx, set(k_free))
+    stack = kv.stacked if ("L",) in labels else None
+    found = self._bias_add(eqn.outvars[0], labels, ctx, set(k_free), stack)
+    if found is not None and not _matching.same_block(kv, found, ctx):
+      found = None  # ``x @ W[:, :d] + b[d:]``: not the kernel's own bias.
     if found is not None:
       j, bview, labels = found
       ctx["claimed"].add(j)
@@ -353,40 +325,6 @@ class Analysis(_penalties.PenaltyWalk):
       probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
     self._record("dense", roles, ctx, i, ("var", x), x.aval, probe_i,
                  probe_aval, in_labels, labels, config)
-
-  def _dense_regrouped(self, i, eqn, k, kv, ctx):
-    """``x ·W'`` with ``W' = W.reshape(...)`` splitting or merging axes: a
-    dense use of ``W`` when the contraction takes whole groups. Its data
-    is arranged over ``W'``'s axes (``config["virtual"]``: the contracted
-    and free axes of ``W'``) and reshaped to ``W``'s by the dense kind."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    kc, xc = (lc, rc) if k == 0 else (rc, lc)
-    if (lb if k == 0 else rb):
-      return "a dot_general batch dimension on the kernel (per-group weights)"
-    kc, xc = tuple(kc), tuple(xc)
-    nk = len(kv.shape)
-    cgroups = {kv.groups[a] for a in kc}
-    if any(kv.groups[a] in cgroups and a not in kc for a in range(nk)):
-      return f"{kv.how}, then contracted over part of a reshaped axis"
-    x = eqn.invars[1 - k]
-    in_labels, b = [], 0
-    for d in range(len(x.aval.shape)):
-      if d in xc:
-        in_labels.append(("k", kc[xc.index(d)]))
-      else:
-        in_labels.append(("b", b))
-        b += 1
-    free = [a for a in range(nk) if a not in kc]
-    if b == 0 or not free:
-      return f"{kv.how}, then an unsupported dot_general"
-    x_free = [("b", j) for j in range(b)]
-    k_free = [("k", a) for a in free]
-    out_labels = k_free + x_free if k == 0 else x_free + k_free
-    in_axes = tuple(sorted(r for g in sorted(cgroups) for r in kv.real[g]))
-    self._record_dense(i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
-                       dict(in_axes=in_axes, kernel_shape=tuple(kv.leaf_shape),
-                            virtual=(tuple(sorted(kc)), tuple(free))))
-    return None
 
   def _conv(self, i, eqn, views, ctx):
     if views[0] is not None:
@@ -485,70 +423,6 @@ class Analysis(_penalties.PenaltyWalk):
                  probe_i, probe_aval, in_labels, out_labels,
                  dict(vocab_size=shape[va], dim=shape[1 - va], id_pos=pos))
     return None
-
-  def _broadcast_site(self, var, labels, ctx):
-    """Follow ``var`` (axes ``labels``) through single-consumer layout ops
-    to an ``add`` that broadcasts it against an activation. Returns
-    ``(add key, add output aval, its labels, new axis sizes)``, the axes
-    the value gained there (all in front of its own non-feature axes)
-    labelled ``("b", 0..m-1)`` and its own
-    ``("b", j)`` shifted to ``("b", j + m)``; None if there is no such add.
-    """
-    while True:
-      j = self._single_consumer(var, ctx)
-      if j is None:
-        # A value returned by a jit/pjit: go on after the call.
-        pc = ctx["parent"]
-        if (pc is None or ctx["consumers"].get(var) or not _is_var(var)
-            or list(ctx["jaxpr"].outvars).count(var) != 1):
-          return None
-        var = pc[0]["jaxpr"].eqns[pc[1]].outvars[
-            list(ctx["jaxpr"].outvars).index(var)]
-        ctx = pc[0]
-        continue
-      eqn = ctx["jaxpr"].eqns[j]
-      name = eqn.primitive.name
-      if name in _views.IDENTITY_PRIMS or name in _views.LAYOUT_PRIMS:
-        mapping = _views.layout_map(eqn)
-        if mapping is None:
-          return None
-        labels = tuple(("u",) if m is None else labels[m] for m in mapping)
-        var = eqn.outvars[0]
-        continue
-      if name != "add" or j in ctx["claimed"]:
-        return None
-      other = [w for w in eqn.invars if w is not var]
-      if len(other) != 1 or not _is_var(other[0]) or other[0] in ctx["env"]:
-        return None
-      out = eqn.outvars[0].aval
-      if len(out.shape) != len(labels):
-        return None
-      new = [k for k, (l, n) in enumerate(zip(labels, out.shape))
-             if l == ("u",) and n > 1]
-      own = [k for k, l in enumerate(labels) if l[0] == "b"]
-      if not new or (own and max(new) > min(own)):
-        # Only axes in front of the value's own: ``emb[ids][:, None]``
-        # broadcast over positions keeps its examples.
-        return None
-      rank = {k: r for r, k in enumerate(new)}
-      m = len(new)
-      out_labels = tuple(
-          ("b", rank[k]) if k in rank else
-          ("b", l[1] + m) if l[0] == "b" else l
-          for k, l in enumerate(labels))
-      return (ctx["prefix"] + (j,), out, out_labels,
-              tuple(out.shape[k] for k in new))
-
-  def _broadcast_labels(self, view, shape):
-    nonunit = view.nonunit(shape)
-    labels, b = [], 0
-    for d in nonunit:
-      if d is None:
-        labels.append(("b", b))
-        b += 1
-      else:
-        labels.append(("k", d))
-    return tuple(labels), nonunit
 
   def _mul(self, i, eqn, views, ctx):
     if views[0] is not None and views[1] is not None:

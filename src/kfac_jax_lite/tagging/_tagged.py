@@ -310,6 +310,7 @@ class TaggedLoss:
             weights=w, grads=self._gradients(l, captures, cotangents))
       else:
         inputs, cots = self._data(l, captures, cotangents)
+        w = l.spec.example_weights(w, inputs, bool(l.stack))
         out[l.name] = B.LayerData(inputs=inputs, cotangents=cots, weights=w)
     return out
 

@@ -4,7 +4,9 @@ A view records, for each axis of the variable, which axis of the parameter
 leaf it is (``int``) or ``None`` for an axis the view inserted (a unit axis,
 or a broadcast one). Only layout changes are followed: dtype casts, copies,
 transposes, unit-axis reshapes/squeezes, ``broadcast_in_dim`` and the
-per-step slice that ``lax.scan`` takes of a stacked parameter. Anything else
+per-step slice that ``lax.scan`` takes of a stacked parameter. A reshape
+that splits or merges a kernel's axes gives a ``Regrouped`` view, a
+``slice``/``split`` a ``Sliced`` one (a block of the leaf). Anything else
 applied to a parameter ends the view (and is reported as an unmatched use).
 """
 from __future__ import annotations
@@ -50,6 +52,74 @@ class View:
     got = {d for d in self.nonunit(shape) if d is not None}
     need = {d for d in self.remaining if self.leaf_shape[d] > 1}
     return got == need
+
+
+@dataclasses.dataclass(frozen=True)
+class Sliced(View):
+  """A view of a contiguous block of a leaf (``W[:, :d]``, one output of
+  ``jnp.split``): ``window`` gives, per leaf axis, its ``(start, stop)``.
+  Only a dense kernel (and its bias) takes it, as a column block of the
+  dense layer of the whole leaf; anything else applied to it is an
+  unmatched use."""
+
+  window: tuple = ()
+
+  @property
+  def pure(self):
+    return False
+
+  def size(self, d):
+    lo, hi = self.window[d]
+    return hi - lo
+
+  def nonunit(self, shape):
+    return tuple(d if d is not None and self.size(d) > 1 and n > 1
+                 and n == self.size(d) else None
+                 for d, n in zip(self.dims, shape))
+
+  def covers(self, shape):
+    got = {d for d in self.nonunit(shape) if d is not None}
+    return got == {d for d in self.remaining if self.size(d) > 1}
+
+
+def slice_views(view, eqn):
+  """The ``Sliced`` views of the outputs of a ``slice`` (unit strides) or
+  ``split`` of ``view`` (a ``View`` or ``Sliced``), or None."""
+  name = eqn.primitive.name
+  if not isinstance(view, View) or None in view.dims:
+    return None
+  window = list(getattr(view, "window", ()) or
+                [(0, n) for n in view.leaf_shape])
+  p = eqn.params
+  if name == "slice":
+    if p.get("strides") and any(s != 1 for s in p["strides"]):
+      return None
+    bounds = [tuple(zip(p["start_indices"], p["limit_indices"]))]
+  elif name == "split":
+    ax, bounds, lo = p["axis"], [], 0
+    full = [(0, n) for n in eqn.invars[0].aval.shape]
+    for n in p["sizes"]:
+      b = list(full)
+      b[ax] = (lo, lo + int(n))
+      bounds.append(tuple(b))
+      lo += int(n)
+  else:
+    return None
+  out = []
+  for b in bounds:
+    w = list(window)
+    for axis, (lo, hi) in enumerate(b):
+      d = view.dims[axis]
+      if d < len(view.stacked) and (lo, hi) != (0, view.leaf_shape[d]):
+        return None  # A scan-stacked axis is sliced per step only.
+      w[d] = (w[d][0] + int(lo), w[d][0] + int(hi))
+    if all(w[d] == (0, view.leaf_shape[d]) for d in view.remaining):
+      # ``pos[:t]`` of a table of t rows is the table itself.
+      out.append(View(view.leaf, view.dims, view.leaf_shape, view.stacked))
+    else:
+      out.append(Sliced(view.leaf, view.dims, view.leaf_shape, view.stacked,
+                        tuple(w)))
+  return out
 
 
 def _unit_map(in_shape, out_shape):
@@ -154,7 +224,7 @@ def regroup(view, eqn):
   """The ``Regrouped`` view of a ``reshape`` of an unstacked, untransposed
   leaf that only splits or merges axes, or None."""
   if (eqn.primitive.name != "reshape" or eqn.params.get("dimensions")
-      is not None or not isinstance(view, View) or view.stacked
+      is not None or type(view) is not View or view.stacked
       or view.dims != tuple(range(len(view.leaf_shape)))):
     return None
   in_shape = tuple(eqn.invars[0].aval.shape)

@@ -116,6 +116,12 @@ class LayerSpec(abc.ABC):
     of the stack, the cotangents ``[L, S, ...]``.
     """
 
+  def example_weights(self, weights, inputs, stacked):
+    """The loss weights ``c_i`` (None: 1/N) for ``data``'s ``inputs``:
+    ``weights`` unless a kind lays its uses out as extra examples."""
+    del inputs, stacked
+    return weights
+
   @abc.abstractmethod
   def per_example_grads(self, inputs, cotangents):
     """Per parameter ``[S, N, *shape]``: gradients of ``<g_sn, y_n>``,

@@ -1,14 +1,24 @@
 """Convolutions: a ``conv_general_dilated`` with a parameter kernel.
 
-One use of the kernel (any rank, dimension numbers, strides, padding,
-dilation, feature groups), with the bias added to its output in the
-conv's own output layout. The data is the conv input and the output
-cotangent, both in the conv's own layout; the block (KFC) extracts the
-patches itself.
+Any rank, dimension numbers, strides, padding, dilation and feature
+groups, with the bias added to its output in the conv's own output
+layout. The data is the conv input and the output cotangent, both in the
+conv's own layout; the block (KFC) extracts the patches itself.
+
+**A kernel used more than once** (a siamese conv applied to two inputs, a
+conv reused at every step of ``lax.scan``) is one layer whose uses are
+weight-sharing positions, as for a dense kernel ("expand", which KFC is):
+the R applications (uses × scan steps) of each example are stacked along
+the conv's batch axis, ``[R·N, ...]`` in chunks of N, and the examples'
+loss weights are repeated R times (``example_weights``). Under KFC's
+normalisation that is ``A = Σ_i w_i (1/(R·T)) Σ_{r,t} ā ā ᵀ`` and
+``G = Σ_i c_i Σ_{r,t} g gᵀ``: the uses' locations are all locations of
+one layer. Per-example gradients sum the R chunks.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +44,12 @@ class ConvSpec(LayerSpec):
   dimension_numbers: lax.ConvDimensionNumbers
   feature_group_count: int
   has_bias: bool
+  repeats: int = 1
+
+  @property
+  def notes(self):
+    return (f"conv applied {self.repeats} times per example (uses × scan "
+            "steps): weight-sharing positions" if self.repeats > 1 else "")
 
   @property
   def param_shapes(self):
@@ -43,24 +59,32 @@ class ConvSpec(LayerSpec):
 
   @property
   def _window(self):
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name != "repeats"}
 
   @classmethod
   def group(cls, uses, leaf_shapes, depth):
     del leaf_shapes, depth
-    if len(uses) != 1:
-      raise Unsupported(f"a convolution kernel used {len(uses)} times "
-                        "(KroneckerConv takes a single use)")
     u = uses[0]
-    if any(l[0] == "t" for l in F.level_labels(u)):
-      raise Unsupported("a convolution reused at every step of lax.scan")
+    for v in uses[1:]:
+      if v.config != u.config:
+        raise Unsupported("a convolution kernel used with different windows "
+                          "(strides, padding, dilation or layout)")
+      if ("bias" in v.roles) != ("bias" in u.roles):
+        raise Unsupported("a bias added after some of its uses only")
+      if tuple(v.capture_aval.shape) != tuple(u.capture_aval.shape):
+        raise Unsupported("a convolution kernel applied to inputs of "
+                          "different shapes")
+    repeats = sum(math.prod(n for l, (_, n) in zip(F.level_labels(v),
+                                                   v.levels) if l[0] == "t")
+                  for v in uses)
     c = u.config
     spec = cls(kernel_shape=c["kernel_shape"],
                window_strides=c["window_strides"], padding=c["padding"],
                lhs_dilation=c["lhs_dilation"], rhs_dilation=c["rhs_dilation"],
                dimension_numbers=c["dimension_numbers"],
                feature_group_count=c["feature_group_count"],
-               has_bias="bias" in u.roles)
+               has_bias="bias" in u.roles, repeats=repeats)
     return Grouping(spec, tuple(v.leaf for v in u.roles.values()))
 
   def default_block(self, *, damping_mode, weight_sharing):
@@ -74,11 +98,39 @@ class ConvSpec(LayerSpec):
 
   def data(self, uses, captures, cotangents, stacked):
     """``(conv input, output cotangents [S, ...])``, both in the conv's
-    own layout (with a leading stack axis when ``stacked``)."""
-    del stacked
-    (u,) = uses
-    return (F.arranged(u, captures[u.uid], out=False),
-            F.arranged(u, cotangents[u.uid], samples=True))
+    own layout (with a leading stack axis when ``stacked``); the R
+    applications of a shared kernel stacked along the batch axis."""
+    base = 1 if stacked else 0
+    dn = self.dimension_numbers
+    ins, cots = [], []
+    for u in uses:
+      nt = sum(l[0] == "t" for l in F.level_labels(u))
+      ins.append(_fold(F.arranged(u, captures[u.uid], out=False), base, nt,
+                       dn.lhs_spec[0]))
+      cots.append(_fold(F.arranged(u, cotangents[u.uid], samples=True),
+                        base + 1, nt, dn.out_spec[0]))
+    if len(uses) == 1:
+      return ins[0], cots[0]
+    return (jnp.concatenate(ins, base + dn.lhs_spec[0]),
+            jnp.concatenate(cots, base + 1 + dn.out_spec[0]))
+
+  def example_weights(self, weights, inputs, stacked):
+    if self.repeats == 1:
+      return weights
+    n = inputs.shape[(1 if stacked else 0) + self.dimension_numbers.lhs_spec[0]
+                     ] // self.repeats
+    if weights is None:
+      weights = jnp.full((n,), 1.0 / n, inputs.dtype)
+    return jnp.tile(weights, self.repeats)
+
+  def gradients(self, uses, captures, cotangents, stacked):
+    """The per-example gradients of a shared kernel sum its R chunks."""
+    grads = super().gradients(uses, captures, cotangents, stacked)
+    if self.repeats == 1:
+      return grads
+    axis = 2 if stacked else 1
+    return tuple(g.reshape(g.shape[:axis] + (self.repeats, -1)
+                           + g.shape[axis + 1:]).sum(axis) for g in grads)
 
   def per_example_grads(self, inputs, cotangents):
     dn = self.dimension_numbers
@@ -102,3 +154,15 @@ class ConvSpec(LayerSpec):
     if dn.out_spec[1] < b_out:
       bias = jnp.swapaxes(bias, 1, 2)
     return per, bias
+
+
+def _fold(x, lead, nt, batch_axis):
+  """``x`` with ``lead`` leading axes, then ``nt`` scan-step axes, then the
+  conv layout: the step axes merged into the batch axis (step-major)."""
+  if nt == 0:
+    return x
+  steps = list(range(lead, lead + nt))
+  x = jnp.moveaxis(x, steps, list(range(lead + batch_axis,
+                                        lead + batch_axis + nt)))
+  b = lead + batch_axis
+  return x.reshape(x.shape[:b] + (-1,) + x.shape[b + nt + 1:])

@@ -30,6 +30,26 @@ from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging._kinds.base import Grouping, LayerSpec, Unsupported
 
 
+def _merge_slices(uses, roles, parts):
+  """``(parts, roles)`` with the column blocks of one kernel applied to the
+  same input merged: one use whose cotangent is the sum of theirs (each
+  zero outside its columns), i.e. the layer ``x @ W`` of the whole kernel.
+  Slices applied to different inputs stay separate uses (weight-sharing
+  positions, as any kernel used twice)."""
+  out, out_roles, seen = [], [], {}
+  for u, r, (inp, cot) in zip(uses, roles, parts):
+    src = u.config.get("source")
+    if src is not None and src in seen:
+      k = seen[src]
+      out[k] = (out[k][0], out[k][1] + cot)
+      continue
+    if src is not None:
+      seen[src] = len(out)
+    out.append((inp, cot))
+    out_roles.append(r)
+  return out, tuple(out_roles)
+
+
 @dataclasses.dataclass(frozen=True)
 class DenseSpec(LayerSpec):
   """``kernel_shape`` (one slice if stacked), ``in_axes``, ``has_bias``;
@@ -42,6 +62,8 @@ class DenseSpec(LayerSpec):
   in_axes: tuple
   has_bias: bool
   roles: tuple
+  slices: int = 0
+  slice_inputs: int = 0
 
   @property
   def kind(self):
@@ -50,6 +72,9 @@ class DenseSpec(LayerSpec):
   @property
   def notes(self):
     roles = self.roles
+    if self.slices:
+      return (f"fused: {self.slices} column blocks of the kernel on "
+              f"{self.slice_inputs} input(s), one block over all of it")
     if "swapped" not in roles and "lookup" not in roles:
       return ""
     return (f"tied: {roles.count('lookup')} lookup(s), "
@@ -100,8 +125,14 @@ class DenseSpec(LayerSpec):
             "kernel contracted along different axes in different uses")
     if bias is not None and "swapped" in roles:
       raise Unsupported("a bias on a kernel also used transposed")
+    slices = sum("window" in u.config for u in uses)
+    if slices and set(roles) != {"normal"}:
+      raise Unsupported("a kernel used in slices and also transposed or "
+                        "looked up")
     spec = cls(kernel_shape=kshape, in_axes=canon, has_bias=bias is not None,
-               roles=tuple(roles))
+               roles=tuple(roles), slices=slices,
+               slice_inputs=len({u.config["source"] for u in uses
+                                 if "window" in u.config}))
     return Grouping(spec, (main,) + ((bias,) if bias is not None else ()))
 
   # --------------------------------------------------------------- blocks
@@ -124,11 +155,12 @@ class DenseSpec(LayerSpec):
     base = 1 if stacked else 0
     parts = [self._use_data(u, r, captures[u.uid], cotangents[u.uid], base)
              for u, r in zip(uses, self.roles)]
-    if len(parts) == 1 and self.roles[0] == "normal":
+    parts, roles = _merge_slices(uses, self.roles, parts)
+    if len(parts) == 1 and roles[0] == "normal":
       return parts[0]
     if stacked:
-      return jax.vmap(self._combine)(parts)
-    return self._combine(parts)
+      return jax.vmap(lambda p: self._combine(p, roles))(parts)
+    return self._combine(parts, roles)
 
   def _use_data(self, use, role, cap, ct, base):
     """Canonical ``(inputs [L?, N, *sh, in], cots [L?, S, N, *sh, out])``."""
@@ -150,13 +182,19 @@ class DenseSpec(LayerSpec):
               cot.reshape(cot.shape[:cot.ndim - len(vout)]
                           + tuple(k[a] for a in self.out_axes)))
     if role == "normal":
-      return (F.arranged(use, cap, canon, out=False),
-              F.arranged(use, ct, rest, samples=True))
+      cot = F.arranged(use, ct, rest, samples=True)
+      if "window" in use.config:  # A column block: zeros elsewhere.
+        window = [use.config["window"][a] for a in self.out_axes]
+        pad = [(0, 0)] * (cot.ndim - len(window)) + [
+            (lo, self.kernel_shape[a] - hi)
+            for a, (lo, hi) in zip(self.out_axes, window)]
+        cot = jnp.pad(cot, pad)
+      return F.arranged(use, cap, canon, out=False), cot
     # Swapped: the output cotangent plays the input role and vice versa.
     return (F.arranged(use, ct, canon, samples=True),
             F.arranged(use, cap, rest, out=False))
 
-  def _combine(self, parts):
+  def _combine(self, parts, roles):
     """Concatenate per-use data along one shared axis (after the examples).
 
     ``parts``: per use ``(inputs [N, *sh, in], cots [S, N, *sh, out])`` in
@@ -166,7 +204,7 @@ class DenseSpec(LayerSpec):
     ("expand"): the other side repeats over S and the cotangent side is
     scaled by 1/sqrt(S), so G still averages over S; the result has S = 1.
     """
-    swapped = "swapped" in self.roles
+    swapped = "swapped" in roles
     n_in, n_out = len(self.in_axes), len(self.out_axes)
 
     def flat(x, nfeat):  # [N, *sh, *feat] -> [N, R, *feat]
@@ -176,7 +214,7 @@ class DenseSpec(LayerSpec):
       return jnp.broadcast_to(x[:, None], x.shape[:1] + (s,) + x.shape[1:])
 
     ins, outs = [], []
-    for (inp, cot), role in zip(parts, self.roles):
+    for (inp, cot), role in zip(parts, roles):
       if not swapped:
         ins.append(flat(inp, n_in))
         outs.append(jax.vmap(lambda c: flat(c, n_out))(cot))
