@@ -16,7 +16,10 @@ Configurations are timed round-robin (one step of each in turn), so a
 machine whose load drifts during the run slows all of them alike. The
 amortised time adds ``(refresh-every-step row - T=large row) / T`` to the
 median. A summary then gives the amortised ratios of the issue-13 goals and the
-compile ratio (first step, compilation included, over SGD's). A last table
+compile ratio (first step, compilation included, over SGD's), split into
+tracing + lowering, XLA's compile and the first run, with the optimised
+program's fusion and loop counts (XLA:CPU compiles a kernel per distinct
+fusion, so compile time follows the fusion count). A last table
 times the pieces of a K-FAC step (statistics, ``update_cov``, the refresh
 with each ``inverse_method``, preconditioning, and the factor
 decompositions on their own) against their FLOPs at the measured matmul
@@ -300,8 +303,15 @@ def time_round_robin(runners, batches, warmup, steps):
   t0 = time.perf_counter()
   for r in runners:  # Compile (and the first warm-up step).
     c0 = time.perf_counter()
+    lowered = r.step.lower(r.carry, batches[0])  # Tracing + lowering.
+    c1 = time.perf_counter()
+    r.step = lowered.compile()  # XLA.
+    c2 = time.perf_counter()
     r.run(batches[0], record=False)
     r.compile_s = time.perf_counter() - c0
+    r.lower_s, r.xla_s, r.first_s = c1 - c0, c2 - c1, r.compile_s - (c2 - c0)
+    text = r.step.as_text()
+    r.fusions, r.loops = text.count(" fusion("), text.count(" while(")
   for i in range(1, warmup):
     for r in runners:
       r.run(batches[i % len(batches)], record=False)
@@ -370,6 +380,22 @@ def print_summary(runners, dims, m, extra):
                     for r in runners[1:] if r.interval == 10)
   print(f"  compile (first step / SGD's first step {sgd.compile_s:.1f} s): "
         f"{cells}; goal <= {GOALS['compile']}x")
+  print_compile(runners)
+
+
+def print_compile(runners):
+  """The first step's time split: tracing + lowering (``jit.lower``), XLA's
+  compile (``.compile()``) and the first run, with the size of the
+  optimised program (fusions: XLA:CPU compiles one kernel per distinct
+  fusion; while loops)."""
+  sgd = runners[0]
+  print("First step (compilation included), split:")
+  print(f"  {'configuration':<28}{'lower s':>9}{'XLA s':>8}{'run s':>8}"
+        f"{'total':>8}{'x SGD':>8}{'fusions':>9}{'loops':>7}")
+  for r in runners:
+    print(f"  {r.name:<28}{r.lower_s:>9.2f}{r.xla_s:>8.2f}{r.first_s:>8.2f}"
+          f"{r.compile_s:>8.2f}{r.compile_s / sgd.compile_s:>7.1f}x"
+          f"{r.fusions:>9}{r.loops:>7}")
 
 
 # --------------------------------------------------------------- pieces
