@@ -137,3 +137,25 @@ def mlp_ggn(layers, x, c, out_curvature=softmax_fisher):
   _, logits = mlp_forward(layers, x)
   m = out_curvature(np.asarray(logits))
   return np.einsum("n,nkp,nkl,nlq->pq", np.asarray(c, np.float64), jac, m, jac)
+
+
+def optimized_jit(fn):
+  """``jax.jit(fn)`` compiled with XLA's full CPU back-end optimisation.
+
+  ``conftest.py`` makes XLA compile cheaply (``--xla_backend_optimization_
+  level=0``), which is right for the many tests whose time is compiling;
+  the few tests whose time is running a long ``lax.scan`` of training
+  steps wrap it in this instead (a conv net trains ~5x slower at level 0).
+  One compiled program per argument signature.
+  """
+  jitted = jax.jit(fn)
+  compiled = {}
+
+  def call(*args):
+    leaves, treedef = jax.tree.flatten(args)
+    key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+    if key not in compiled:
+      compiled[key] = jitted.lower(*args).compile(
+          {"xla_backend_optimization_level": 3})
+    return compiled[key](*args)
+  return call

@@ -16,6 +16,7 @@ import pytest
 from sklearn.datasets import load_digits
 
 import kfac_jax_lite as kfl
+from _helpers import optimized_jit
 
 ADAM_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
 MAX_OURS = 150  # Step cap for K-FAC (it needs 27-73 steps here).
@@ -54,7 +55,7 @@ def steps_to(tx, loss_fn, params, target, max_steps):
   """Steps until the full-batch loss is below ``target`` (max_steps if never)."""
   batch = digits()
 
-  @jax.jit
+  @optimized_jit  # Its time is running the steps, not compiling.
   def run(params):
     def step(carry, _):
       params, state = carry

@@ -24,6 +24,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
+from _helpers import optimized_jit
 
 SIZES = (5, 8, 3)
 N = 16
@@ -259,7 +260,7 @@ def test_defaults_train_a_conv_net_with_sgd_momentum_at_every_lr():
   batch = digits_batch()
   tx = optax.chain(kfl.kfac(loss, batch), optax.trace(decay=0.9))
 
-  @jax.jit
+  @optimized_jit  # Its time is running 30 conv steps, not compiling.
   def run(params, lr):
     def step(carry, _):
       params, state = carry
