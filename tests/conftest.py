@@ -5,12 +5,12 @@
 * Compiles with XLA's cheap CPU back-end settings (``XLA_FLAGS``, set here
   before JAX is imported, and inherited by the notebook kernels and the
   multi-process workers the tests start): the suite's time is mostly XLA
-  compiling many small programs once each, which these settings roughly
-  halve, while the long-running tests run as fast as with the default
-  settings (measured on 2 cores: 81 s -> 57 s for ``test_onepass.py`` +
-  ``test_tagging_state.py``; 106 s -> 107 s for ``test_convergence.py`` +
-  ``test_benchmarks.py``). The library itself sets no flags: users get
-  XLA's defaults.
+  compiling many small programs once each (measured on 2 cores: 81 s ->
+  52-57 s for ``test_onepass.py`` + ``test_tagging_state.py``). Code
+  compiled this way runs slower (a conv net's training scan 5x), so the
+  few tests whose time is running long scans compile them at full
+  optimisation with ``_helpers.optimized_jit``. The library itself sets no
+  flags: users get XLA's defaults.
 """
 import os
 import sys
