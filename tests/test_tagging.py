@@ -95,11 +95,14 @@ def _forward(tl, params, batch):
 @functools.lru_cache(maxsize=None)
 def _probed(name):
   """``(loss, grads, captures, probe cotangents)`` of the rewritten loss
-  (eager: compiling each model costs more)."""
+  (jitted: one compile costs less than the eager ops' many small ones)."""
   loss, params, batch = _model(name)
-  l, vjp, caps = _forward(_tagged(name), params, batch)
-  grads, probe_cts = vjp(jnp.ones_like(l))
-  return l, grads, caps, probe_cts
+
+  def probed(params, batch):
+    l, vjp, caps = _forward(_tagged(name), params, batch)
+    grads, probe_cts = vjp(jnp.ones_like(l))
+    return l, grads, caps, probe_cts
+  return jax.jit(probed)(params, batch)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -125,12 +128,12 @@ def test_captures_reproduce_per_example_grads(name):
   n = jax.tree.leaves(batch)[0].shape[0]
   l, grads, caps, probe_cts = _probed(name)
   cts = {k: v * n for k, v in probe_cts.items()}   # mean loss: c_i = 1/N
-  per_ex = tl.per_example_grads(caps, cts)
-  np.testing.assert_allclose(l, loss(params, batch), rtol=1e-5)
-  ref = jax.vmap(lambda ex: jax.grad(loss)(
-      params, jax.tree.map(lambda x: x[None], ex)))(batch)
+  per_ex = jax.jit(tl.per_example_grads)(caps, cts)
+  np.testing.assert_allclose(l, jax.jit(loss)(params, batch), rtol=1e-5)
+  ref = jax.jit(jax.vmap(lambda ex: jax.grad(loss)(
+      params, jax.tree.map(lambda x: x[None], ex))))(batch)
   ref, g = _flat_paths(ref), _flat_paths(grads)
-  gref = _flat_paths(jax.grad(loss)(params, batch))
+  gref = _flat_paths(jax.jit(jax.grad(loss))(params, batch))
   assert set(per_ex) == set(ref)   # every parameter is in a detected layer
   for path, x in per_ex.items():
     np.testing.assert_allclose(x, ref[path], rtol=2e-4, atol=2e-5, err_msg=path)
@@ -194,8 +197,8 @@ def _per_example_flat(name, tl):
   """``{layer name: [N, P]}`` per-example gradients by ``vmap(grad)``,
   raveled in the layer's parameter order."""
   loss, params, batch = _model(name)
-  ref = _flat_paths(jax.vmap(lambda ex: jax.grad(loss)(
-      params, jax.tree.map(lambda x: x[None], ex)))(batch))
+  ref = _flat_paths(jax.jit(jax.vmap(lambda ex: jax.grad(loss)(
+      params, jax.tree.map(lambda x: x[None], ex))))(batch))
   n = jax.tree.leaves(batch)[0].shape[0]
   return {l.name: np.concatenate(
       [np.asarray(ref[p], np.float64).reshape(n, -1) for p in l.params], 1)
@@ -209,12 +212,14 @@ def _stats(tl, name):
   _, _, caps, cts = _probed(name)
   n = jax.tree.leaves(batch)[0].shape[0]
   cts = {k: v * n for k, v in cts.items()}  # A mean loss: c_i = 1/N.
-  out = []
-  for c in (cts, {k: jnp.stack([v, 2 * v]) for k, v in cts.items()}):
+
+  @jax.jit
+  def stats(caps, c):
     data = tl.layer_data(caps, c)
-    out.append({layer.name: layer.block.layer_stats(data[layer.name])
-                for layer in tl.detected})
-  return out
+    return {layer.name: layer.block.layer_stats(data[layer.name])
+            for layer in tl.detected}
+  return [stats(caps, c) for c in
+          (cts, {k: jnp.stack([v, 2 * v]) for k, v in cts.items()})]
 
 
 # The tied embedding (a lookup and a transposed product): with a samples
