@@ -116,7 +116,7 @@ def test_penalty_stays_out_of_the_statistics(dtype):
       without = kfl.value_grad_and_stats(model_loss, p, batch,
                                          estimation=estimation)
       assert not with_pen.tagged.fallbacks
-      a, b = with_pen(p, batch, key), without(p, batch, key)
+      a, b = jax.jit(with_pen)(p, batch, key), jax.jit(without)(p, batch, key)
       assert a.loss.dtype == dt
       for name in b.stats:
         for x, y in zip(jax.tree.leaves(a.stats[name]),
@@ -124,22 +124,25 @@ def test_penalty_stays_out_of_the_statistics(dtype):
           assert x.dtype == y.dtype
           np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-12,
                                      err_msg=f"{estimation} {name}")
-      want = jax.grad(loss)(p, batch)
+      want = jax.jit(jax.grad(loss))(p, batch)
       for x, y in zip(jax.tree.leaves(a.grads), jax.tree.leaves(want)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
     tl = find_layers(loss, p, batch)
-    probes = tl.zero_probes(p, batch)
 
-    def f(pp, pr):
-      l, _, caps = tl.apply(pp, batch, pr)
-      return l, caps
-    l, vjp, caps = jax.vjp(f, p, probes, has_aux=True)
-    _, cts = vjp(jnp.ones_like(l))
-    n = batch[0].shape[0]
-    per_ex = tl.per_example_grads(caps, {k: v * n for k, v in cts.items()
-                                         if k >= 0})
-    ref = jax.vmap(lambda x, y: jax.grad(model_loss)(
-        p, (x[None], y[None])))(*batch)
+    @jax.jit  # One compile: cheaper than the eager ops' many small ones.
+    def both(p, batch):
+      def f(pp, pr):
+        l, _, caps = tl.apply(pp, batch, pr)
+        return l, caps
+      l, vjp, caps = jax.vjp(f, p, tl.zero_probes(p, batch), has_aux=True)
+      _, cts = vjp(jnp.ones_like(l))
+      n = batch[0].shape[0]
+      per_ex = tl.per_example_grads(caps, {k: v * n for k, v in cts.items()
+                                           if k >= 0})
+      ref = jax.vmap(lambda x, y: jax.grad(model_loss)(
+          p, (x[None], y[None])))(*batch)
+      return per_ex, ref
+    per_ex, ref = both(p, batch)
     tol = 1e-5 if dtype == "float32" else 1e-11
     for path in ("w", "b", "v"):
       np.testing.assert_allclose(per_ex[path], ref[path], rtol=tol * 10,

@@ -29,14 +29,17 @@ def _flat(tree):
 
 def _probed(loss, params, batch):
   tl = find_layers(loss, params, batch)
-  probes = tl.zero_probes(params, batch)
 
-  def f(p, pr):
-    l, _, caps = tl.apply(p, batch, pr)
-    return l, caps
-  l, vjp, caps = jax.vjp(f, params, probes, has_aux=True)
-  grads, cts = vjp(jnp.ones_like(l))
-  return tl, l, grads, caps, cts
+  @jax.jit  # One compile: cheaper than the eager ops' many small ones.
+  def run(params, batch):
+    def f(p, pr):
+      l, _, caps = tl.apply(p, batch, pr)
+      return l, caps
+    l, vjp, caps = jax.vjp(f, params, tl.zero_probes(params, batch),
+                           has_aux=True)
+    grads, cts = vjp(jnp.ones_like(l))
+    return l, grads, caps, cts
+  return (tl,) + run(params, batch)
 
 
 # ------------------------------------------------------ broadcast parameters
@@ -85,13 +88,14 @@ def test_position_embedding_and_sequence_shaped_parameters(model, dtype):
 
 def _check_per_example(loss, p, x, tol):
   tl, l, grads, caps, cts = _probed(loss, p, x)
-  per_ex = tl.per_example_grads(caps, {k: v * N for k, v in cts.items()})
-  ref = _flat(jax.vmap(lambda ex: jax.grad(loss)(p, ex[None]))(x))
+  per_ex = jax.jit(tl.per_example_grads)(
+      caps, {k: v * N for k, v in cts.items()})
+  ref = _flat(jax.jit(jax.vmap(lambda ex: jax.grad(loss)(p, ex[None])))(x))
   assert set(per_ex) == set(ref)
   for path, g in per_ex.items():
     np.testing.assert_allclose(g, ref[path], rtol=100 * tol, atol=tol,
                                err_msg=path)
-  for path, g in _flat(jax.grad(loss)(p, x)).items():
+  for path, g in _flat(jax.jit(jax.grad(loss))(p, x)).items():
     np.testing.assert_allclose(_flat(grads)[path], g, rtol=100 * tol,
                                atol=tol, err_msg=path)
 
@@ -189,7 +193,7 @@ def test_row_uses_statistics_against_brute_force(dtype):
     dt = jnp.dtype(dtype)
     p, batch = _rnn_params(dt), _rnn_batch(dt)
     fn = kfl.value_grad_and_stats(_rnn_loss, p, batch, estimation="empirical")
-    est = fn(p, batch, jax.random.PRNGKey(0))
+    est = jax.jit(fn)(p, batch, jax.random.PRNGKey(0))
     x, y = batch
 
     def hidden(p):
@@ -215,7 +219,8 @@ def test_row_uses_statistics_against_brute_force(dtype):
                                rtol=tol * 10, atol=tol)
 
   tl, l, grads, caps, cts = _probed(_rnn_loss, _rnn_params(), _rnn_batch())
-  per_ex = tl.per_example_grads(caps, {k: v * T for k, v in cts.items()})
+  per_ex = jax.jit(tl.per_example_grads)(
+      caps, {k: v * T for k, v in cts.items()})
   full = _flat(jax.grad(_rnn_loss)(_rnn_params(), _rnn_batch()))
   for path, gr in per_ex.items():   # N = 1: T·∇L, the sum over examples.
     assert gr.shape[0] == 1, path

@@ -155,8 +155,8 @@ def test_batchnorm_kfac_update(name):
   tx = kfl.kfac(loss, batch, has_aux=has_aux, damping=1e-2)
   state = tx.init(params)
   value = _value(loss, has_aux, params, batch)
-  grads = jax.grad(value)(params)
-  u, state = tx.update(grads, state, params, batch=batch)
+  grads = jax.jit(jax.grad(value))(params)
+  u, state = jax.jit(tx.update)(grads, state, params, batch=batch)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(u))
   assert kfl.health(state) is not None
   # A preconditioned step against the gradient lowers the loss.

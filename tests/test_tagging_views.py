@@ -56,15 +56,19 @@ def test_reshaped_kernels_rebuild_per_example_gradients(dtype):
         ("wo", "dense", "KroneckerDense", ("wo",), ((1, 6, 6), (1, 2, 2))),
         ("wq", "dense", "KroneckerDense", ("wq",), ((1, 6, 6), (1, 6, 6)))], str(rows)
     tl = find_layers(_loss, p, batch)
-    probes = tl.zero_probes(p, batch)
 
-    def f(pp, pr):
-      l, _, caps = tl.apply(pp, batch, pr)
-      return l, caps
-    l, vjp, caps = jax.vjp(f, p, probes, has_aux=True)
-    _, cts = vjp(jnp.ones_like(l))
-    per_ex = tl.per_example_grads(caps, {k: v * N for k, v in cts.items()})
-    ref = jax.vmap(lambda a, b: jax.grad(_loss)(p, (a[None], b[None])))(*batch)
+    @jax.jit  # One compile: cheaper than the eager ops' many small ones.
+    def both(p, batch):
+      def f(pp, pr):
+        l, _, caps = tl.apply(pp, batch, pr)
+        return l, caps
+      l, vjp, caps = jax.vjp(f, p, tl.zero_probes(p, batch), has_aux=True)
+      _, cts = vjp(jnp.ones_like(l))
+      per_ex = tl.per_example_grads(caps, {k: v * N for k, v in cts.items()})
+      ref = jax.vmap(lambda a, b: jax.grad(_loss)(p, (a[None], b[None])))(
+          *batch)
+      return per_ex, ref
+    per_ex, ref = both(p, batch)
     tol = 1e-5 if dtype == "float32" else 1e-12
     assert set(per_ex) == set(ref)
     for path, g in per_ex.items():
@@ -111,8 +115,8 @@ def test_one_location_conv_equals_dense_with_reshaped_kernel():
     tx = kfl.kfac(loss, (im, t), estimation="exact", damping=1e-2,
                   norm_constraint=None)
     state = tx.init(p)
-    g = jax.grad(loss)(p, (im, t))
-    u, state = tx.update(g, state, p, batch=(im, t))
+    g = jax.jit(jax.grad(loss))(p, (im, t))
+    u, state = jax.jit(tx.update)(g, state, p, batch=(im, t))
     updates.append(u)
   for name in ("k", "b"):
     np.testing.assert_allclose(updates[0][name], updates[1][name], rtol=1e-4,

@@ -173,16 +173,18 @@ def test_precomputed_stats_share_the_forward_pass():
   tx = kfl.kfac(loss_fn, BATCH, damping=1e-2)
   fn = kfl.value_grad_and_stats(loss_fn, params, BATCH)
   key = jax.random.PRNGKey(3)
-  est = fn(params, BATCH, key)
+  # Jitted: one compile each costs less than the eager ops' many small ones.
+  est = jax.jit(fn)(params, BATCH, key)
   state = tx.init(params)
-  u1, _ = tx.update(est.grads, state, params, stats=est.stats)
+  u1, _ = jax.jit(tx.update)(est.grads, state, params, stats=est.stats)
   # Same statistics computed inside update (its own key) differ only by sampling;
   # with the exact estimator they agree.
   tx_exact = kfl.kfac(loss_fn, BATCH, damping=1e-2, estimation="exact")
   fn_exact = kfl.value_grad_and_stats(loss_fn, params, BATCH, estimation="exact")
-  est = fn_exact(params, BATCH, key)
-  a, _ = tx_exact.update(est.grads, tx_exact.init(params), params, stats=est.stats)
-  b, _ = tx_exact.update(est.grads, tx_exact.init(params), params, batch=BATCH)
+  est = jax.jit(fn_exact)(params, BATCH, key)
+  update = jax.jit(tx_exact.update)
+  a, _ = update(est.grads, tx_exact.init(params), params, stats=est.stats)
+  b, _ = update(est.grads, tx_exact.init(params), params, batch=BATCH)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(u1))
