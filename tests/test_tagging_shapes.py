@@ -246,9 +246,8 @@ def test_kfac_trains_time_major_rnn():
 
 
 def test_describe_shows_the_weight_sharing_of_every_block():
-  # Dense blocks follow ``weight_sharing``; a convolution is KFC (expand)
-  # whatever is asked (KFAC-reduce for convolutions is not implemented),
-  # and describe says so rather than hiding it.
+  # Dense and conv blocks follow ``weight_sharing`` (a convolution's
+  # locations are its shared axis); a scale-and-shift has none.
   p = {"k": jnp.ones((3, 3, 2, 4)) / 9, "w": jnp.ones((4, 2)) / 4,
        "s": jnp.ones(2)}
 
@@ -260,7 +259,7 @@ def test_describe_shows_the_weight_sharing_of_every_block():
   for mode in ("expand", "reduce"):
     rows = describe(loss, p, x, weight_sharing=mode)
     assert {r.name: r.sharing for r in rows} == {
-        "k": "expand", "w": mode, "s": "-"}, str(rows)
+        "k": mode, "w": mode, "s": "-"}, str(rows)
     assert "sharing" in str(rows).splitlines()[0]
 
 

@@ -14,6 +14,26 @@ block of the same weights. Feature groups (``feature_group_count``, with
 depthwise as the extreme case) give one Kronecker product per group: the
 group's input channels times its output channels.
 
+``weight_sharing="reduce"`` (K-FAC-reduce, Eschenhagen et al. 2023, the
+dense block's ``"reduce"`` with the locations as the shared axis) first
+aggregates over the locations of each example, then takes outer products
+over the examples:
+
+    A = Σ_i w_i ã_i ã_iᵀ,  ã_i = (1/T) Σ_t ā_it   (the bias entry stays 1)
+    G = Σ_i c_i E[ĝ_i ĝ_iᵀ], ĝ_i = Σ_t g_it,
+
+exact (like ``"expand"``) for one location, and exact for any T when the
+conv's output is summed over its locations before a loss whose curvature
+does not depend on the input (a linear model with a Gaussian output: its
+GGN is ``Σ_i c_i (Σ_t ā_it)(Σ_t ā_it)ᵀ ⊗ H``).
+
+A kernel applied ``repeats`` > 1 times per example (a siamese conv, a conv
+at every ``lax.scan`` step) takes its R applications stacked along the
+batch axis, ``[R·N, ...]`` in R chunks of the N examples, with the loss
+weights of the N examples: the applications' locations are all locations
+of the example (``T`` above counts R·T), so per-example gradients (and
+``"reduce"``) aggregate over all of them.
+
 Any rank (1D, 2D, 3D...), dimension numbers, strides, padding and
 dilations are supported: patches come from ``lax.conv_general_dilated_patches``
 with the layer's own window.
@@ -52,7 +72,9 @@ def _freeze(x):
 def conv_data(block, inputs, cotangents, weights):
   """Per-example patches and cotangents of a convolution, per group.
 
-  Returns ``(a [N, T, g, P(+1)], g [S, N, T, g, b], c, w)``.
+  Returns ``(a [N, T, g, P(+1)], g [S, N, T, g, b], c, w)``; with
+  ``block.repeats`` = R the batch of R·N applications is folded into N
+  examples of R·T locations (application-major).
   """
   lay, dn, where = block.layout, block.dims, repr(block)
   inputs, cotangents = jnp.asarray(inputs), jnp.asarray(cotangents)
@@ -88,13 +110,26 @@ def conv_data(block, inputs, cotangents, weights):
                      f"{lay.out_features} features, {t} locations)")
   g = jnp.moveaxis(g.reshape(g.shape[0], n, lay.out_features, t), 2, 3)
   g = g.reshape(g.shape[0], n, t, lay.groups, lay.b).astype(dtype)
+  r = block.repeats
+  if r > 1:
+    if n % r:
+      raise ValueError(f"{where}: a batch of {n} applications does not "
+                       f"split into {r} applications per example")
+    n //= r
+    a = jnp.swapaxes(a.reshape((r, n) + a.shape[1:]), 0, 1).reshape(
+        (n, r * t) + a.shape[2:])
+    g = jnp.swapaxes(g.reshape((g.shape[0], r, n) + g.shape[2:]), 1, 2
+                     ).reshape((g.shape[0], n, r * t) + g.shape[3:])
   c, w = base.normalized_weights(weights, n, dtype)
   return a, g, c, w
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvConfig:
-  """The convolution's static window, as given to ``conv_general_dilated``."""
+  """The convolution's static window, as given to ``conv_general_dilated``,
+  ``has_bias``, and ``repeats``: the applications of the kernel per example
+  stacked along the batch axis (module docstring; 1 for a conv used once).
+  """
 
   kernel_shape: tuple
   window_strides: tuple = None
@@ -104,6 +139,7 @@ class ConvConfig:
   dimension_numbers: object = None
   feature_group_count: int = 1
   has_bias: bool = False
+  repeats: int = 1
 
   def _setup(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -120,6 +156,10 @@ class ConvConfig:
     if self.feature_group_count < 1 or out % self.feature_group_count:
       raise ValueError(f"{type(self).__name__}: {out} output features do not "
                        f"split into {self.feature_group_count} groups")
+    if int(self.repeats) != self.repeats or self.repeats < 1:
+      raise ValueError(f"{type(self).__name__}: repeats must be a positive "
+                       f"integer, got {self.repeats!r}")
+    set_("repeats", int(self.repeats))
 
   @property
   def dims(self):
@@ -138,22 +178,27 @@ class KroneckerConv(ConvConfig, base.KroneckerBlock):
   Arguments mirror ``lax.conv_general_dilated`` (``dimension_numbers`` as a
   ``ConvDimensionNumbers``, a ``(lhs, rhs, out)`` string triple, or None
   for NCHW/OIHW); ``batch_group_count`` other than 1 is not supported.
+  ``weight_sharing``: ``"expand"`` (KFC, the default) or ``"reduce"`` over
+  the output locations; ``repeats``: see ``ConvConfig``.
   Parameters: ``(kernel,)`` or ``(kernel, bias)`` with ``bias [out]``.
   """
 
   damping_mode: str = "pi"
+  weight_sharing: str = "expand"
   renorm_coeff: float = 1.0
 
   def __post_init__(self):
     self._setup()
     self.check_damping_mode()
+    dense.check_weight_sharing(self.weight_sharing, type(self).__name__)
 
   def compute_stats(self, inputs, cotangents, weights=None):
     """Statistics from the conv input (its own layout) and the cotangent of
     the conv output (its own layout, optionally with a leading samples axis)."""
     a, g, c, w = conv_data(self, inputs, cotangents, weights)
-    # Each group is a dense layer over (examples × locations); "expand".
+    # Each group is a dense layer shared over the locations.
     per_group = jax.vmap(
-        lambda ai, gi: dense.kronecker_stats(ai, gi, c, w, "expand"),
+        lambda ai, gi: dense.kronecker_stats(ai, gi, c, w,
+                                             self.weight_sharing),
         in_axes=(2, 3))(a, g)
     return jax.tree.map(lambda x: x[:, 0], per_group)

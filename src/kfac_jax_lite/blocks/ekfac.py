@@ -19,8 +19,9 @@ from the projected ``ā`` and ``g`` alone, without any per-example gradient
 (``N·(a + b)`` floats, then an ``a × b`` product), otherwise from the
 projected per-example gradients (``S·N·a·b`` floats). ``c_n`` and the mean
 over the S sampled cotangents are those of the other blocks
-(``blocks.base``); ``A`` and ``G`` are the Kronecker block's (dense:
-``weight_sharing``; conv: KFC's ``"expand"``).
+(``blocks.base``); ``A`` and ``G`` are the Kronecker block's (its
+``weight_sharing``, ``"expand"`` or ``"reduce"``, for dense and conv alike;
+the scalings are the exact per-example second moments either way).
 
 Damping is added to the corrected eigenvalues: ``(F + λI)^p = (Q_A ⊗ Q_G)
 diag((s + λ)^p) (Q_A ⊗ Q_G)ᵀ`` exactly, for any power.
@@ -312,11 +313,12 @@ class EkfacConv(conv.ConvConfig, EigenCorrected):
   basis and one set of scalings per feature group)."""
 
   rebase: str = "project"
-  weight_sharing: ClassVar[str] = "expand"  # KFC's locations.
+  weight_sharing: str = "expand"
 
   def __post_init__(self):
     self._setup()
     self.check_rebase()
+    dense.check_weight_sharing(self.weight_sharing, type(self).__name__)
 
   def _data(self, inputs, cotangents, weights):
     return conv.conv_data(self, inputs, cotangents, weights)
@@ -330,7 +332,8 @@ def eigen_corrected(block, where="ekfac"):
                       weight_sharing=block.weight_sharing)
   if isinstance(block, conv.KroneckerConv):
     return EkfacConv(**{f.name: getattr(block, f.name)
-                        for f in dataclasses.fields(conv.ConvConfig)})
+                        for f in dataclasses.fields(conv.ConvConfig)},
+                     weight_sharing=block.weight_sharing)
   raise ValueError(f"{where}: 'ekfac' is for dense and conv layers (whose "
                    f"default block is KroneckerDense or KroneckerConv), not "
                    f"{type(block).__name__}")

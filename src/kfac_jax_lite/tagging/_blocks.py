@@ -14,7 +14,11 @@ path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
   every step of one ``lax.scan``: ``blocks.series_block``, T the scan's
   length; ``ValueError`` for a layer not used that way);
 * a ``dict`` of keyword arguments for the default block (e.g.
-  ``{"weight_sharing": "reduce"}``);
+  ``{"weight_sharing": "reduce"}``): the block's fields that the layer does
+  not fix (``damping_mode``, ``weight_sharing``, ``renorm_coeff`` of a
+  Kronecker block; ``full`` of a scale-and-shift; none for a fallback); an
+  unknown key is a ``ValueError`` naming the layer, the key and the allowed
+  ones;
 * a block instance (used as is; its ``param_shapes`` must match);
 * a callable ``f(layer) -> block`` (``layer``: the ``Layer`` record with the
   default block filled in).
@@ -68,7 +72,7 @@ def _block(layer, override, damping_mode, weight_sharing):
   if override is None:
     block = default
   elif isinstance(override, dict):
-    block = spec.with_options(default, override)
+    block = _with_options(spec, default, override, where)
   elif isinstance(override, str):
     if override not in CHOICES:
       raise ValueError(f"unknown block choice {override!r}; expected one of "
@@ -95,6 +99,35 @@ def _block(layer, override, damping_mode, weight_sharing):
                      f"gradients; use a block that consumes {B.GRADIENTS!r} "
                      "(Full, NaiveDiagonal)")
   return B.Stacked(block, layer.stack) if layer.stack else block
+
+
+def allowed_options(spec, default):
+  """The keyword options a ``blocks=`` dict may set on ``default``, the
+  default block of a layer of ``spec``: its fields that the layer does not
+  fix (a field named like one of the spec's is the layer's: its shape,
+  window, bias...); none for a fallback."""
+  if spec.is_fallback:
+    return ()
+  fixed = {f.name for f in dataclasses.fields(spec)}
+  return tuple(f.name for f in dataclasses.fields(default)
+               if f.name not in fixed)
+
+
+def _with_options(spec, default, override, where):
+  """``default`` with the options of a ``blocks=`` dict; ``ValueError``
+  naming the layer, the unknown keys and the allowed ones."""
+  allowed = allowed_options(spec, default)
+  unknown = sorted(set(override) - set(allowed), key=str)
+  if unknown:
+    raise ValueError(
+        f"{where}: {type(default).__name__} takes no option "
+        f"{', '.join(map(repr, unknown))}; its options are "
+        + (", ".join(allowed) if allowed else "none (a fallback's block is "
+           "chosen by name, block or callable)"))
+  try:
+    return spec.with_options(default, override)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{where}: {e}") from e
 
 
 def _series(layer, option, default, where):

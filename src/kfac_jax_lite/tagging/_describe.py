@@ -65,11 +65,11 @@ def rows(tagged):
 
 
 def _sharing(layer, block):
-  """The weight-sharing convention of ``layer``'s ``block`` (see ``Row``);
-  a ``KroneckerConv`` is KFC, i.e. expand."""
+  """The weight-sharing convention of ``layer``'s ``block`` (see ``Row``):
+  its ``weight_sharing`` (Kronecker and EKFAC dense, conv, embedding and
+  series blocks), ``"-"`` for blocks without one (diagonal, full,
+  scale-and-shift, fallback)."""
   mode = getattr(block, "weight_sharing", None)
-  if mode is None and isinstance(block, B.KroneckerConv):
-    mode = "expand"
   if mode is None:
     return "-"
   return f"{mode} (rows)" if layer.row_uses else mode

@@ -5,15 +5,20 @@ groups, with the bias added to its output in the conv's own output
 layout. The data is the conv input and the output cotangent, both in the
 conv's own layout; the block (KFC) extracts the patches itself.
 
+The default block is ``KroneckerConv`` with the ``weight_sharing`` of
+``kfl.kfac`` (``"expand"``: KFC; ``"reduce"``: K-FAC-reduce over the
+output locations).
+
 **A kernel used more than once** (a siamese conv applied to two inputs, a
 conv reused at every step of ``lax.scan``) is one layer whose uses are
-weight-sharing positions, as for a dense kernel ("expand", which KFC is):
-the R applications (uses × scan steps) of each example are stacked along
-the conv's batch axis, ``[R·N, ...]`` in chunks of N, and the examples'
-loss weights are repeated R times (``example_weights``). Under KFC's
-normalisation that is ``A = Σ_i w_i (1/(R·T)) Σ_{r,t} ā ā ᵀ`` and
-``G = Σ_i c_i Σ_{r,t} g gᵀ``: the uses' locations are all locations of
-one layer. Per-example gradients sum the R chunks.
+weight-sharing positions, as for a dense kernel: the R applications (uses
+× scan steps) of each example are stacked along the conv's batch axis,
+``[R·N, ...]`` in chunks of N, with the N examples' loss weights, and the
+blocks (``repeats=R``) treat the R·T locations of an example as the
+locations of one layer. Under KFC's normalisation that is
+``A = Σ_i w_i (1/(R·T)) Σ_{r,t} ā ā ᵀ`` and ``G = Σ_i c_i Σ_{r,t} g gᵀ``
+(``"reduce"`` aggregates over all R·T). Per-example gradients sum the R
+chunks.
 """
 from __future__ import annotations
 
@@ -59,8 +64,8 @@ class ConvSpec(LayerSpec):
 
   @property
   def _window(self):
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if f.name != "repeats"}
+    """The ``ConvConfig`` of the layer (its window, bias and repeats)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
   @classmethod
   def group(cls, uses, leaf_shapes, depth):
@@ -88,8 +93,8 @@ class ConvSpec(LayerSpec):
     return Grouping(spec, tuple(v.leaf for v in u.roles.values()))
 
   def default_block(self, *, damping_mode, weight_sharing):
-    del weight_sharing  # KFC: the locations are always "expand"-ed.
-    return B.KroneckerConv(**self._window, damping_mode=damping_mode)
+    return B.KroneckerConv(**self._window, damping_mode=damping_mode,
+                           weight_sharing=weight_sharing)
 
   def block_for(self, choice, default):
     if choice == "diagonal":
@@ -113,15 +118,6 @@ class ConvSpec(LayerSpec):
       return ins[0], cots[0]
     return (jnp.concatenate(ins, base + dn.lhs_spec[0]),
             jnp.concatenate(cots, base + 1 + dn.out_spec[0]))
-
-  def example_weights(self, weights, inputs, stacked):
-    if self.repeats == 1:
-      return weights
-    n = inputs.shape[(1 if stacked else 0) + self.dimension_numbers.lhs_spec[0]
-                     ] // self.repeats
-    if weights is None:
-      weights = jnp.full((n,), 1.0 / n, inputs.dtype)
-    return jnp.tile(weights, self.repeats)
 
   def gradients(self, uses, captures, cotangents, stacked):
     """The per-example gradients of a shared kernel sum its R chunks."""
