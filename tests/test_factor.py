@@ -13,7 +13,7 @@ from kfac_jax_lite import factor as fac
 from _helpers import x64_mode
 
 SETTINGS = hypothesis.settings(max_examples=12, deadline=None)
-METHODS = ("gauss_jordan", "cholesky", "newton_schulz", "eigh")
+METHODS = ("gauss_jordan", "schur", "cholesky", "newton_schulz", "eigh")
 
 
 def random_psd(rng, n, rank=None, batch=()):
@@ -194,6 +194,37 @@ def test_each_inverse_method_refreshes_the_exact_damped_inverse(method, x64):
         np.testing.assert_allclose(got.reshape((-1, n, n))[i], expected,
                                    atol=tol * np.abs(expected).max(), rtol=tol)
 
+
+# Small leaves and pivot blocks, so that sizes <= 130 recurse up to three
+# levels, split at multiples of 8 and pad the last leaf.
+_small_schur = jax.jit(lambda m: _inverse.schur_inverse(m, leaf_size=24,
+                                                        block_size=8))
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_schur_inverse_recursion_is_the_exact_inverse(x64):
+  """Sizes at and off multiples of the leaf, batch axes; ok for indefinite."""
+  rng = np.random.default_rng(9)
+  with x64_mode(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    tol = 1e-10 if x64 else 2e-5
+    for n, batch in ((40, (2,)), (61, (3,))):  # One level; two, padded.
+      m = random_psd(rng, n, batch=batch) + 0.1 * np.eye(n)
+      got, ok = _small_schur(jnp.asarray(m, dtype))
+      expected = np.linalg.inv(m)
+      assert got.dtype == dtype and got.shape == m.shape and bool(ok)
+      np.testing.assert_allclose(got, np.swapaxes(got, -1, -2))
+      np.testing.assert_allclose(got, expected, rtol=tol,
+                                 atol=tol * np.abs(expected).max())
+    # Indefinite (one negative eigenvalue: its pivot turns up in a later
+    # leaf) or NaN: a batch with one bad member is not ok as a whole.
+    q, _ = np.linalg.qr(rng.normal(size=(61, 61)))
+    bad = (q * np.r_[np.linspace(1, 2, 60), -0.5]) @ q.T
+    nan = np.eye(61)
+    nan[40, 40] = np.nan
+    for one in (bad, nan):
+      m = jnp.asarray(np.stack([np.eye(61), one, np.eye(61)]), dtype)
+      assert not bool(_small_schur(m)[1])
 
 def _poisoned_gauss_jordan(monkeypatch):
   """Make the Gauss-Jordan path recognisable: it returns 7·(its inverse)."""
