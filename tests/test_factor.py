@@ -1,4 +1,6 @@
 """The math core: factors, zero-debiased EMA, damped powers and their caches."""
+import functools
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -316,3 +318,35 @@ def test_factor_functions_jit_and_are_pytrees():
   np.testing.assert_allclose(state.cache.matpower, np.eye(3) / 1.1, rtol=1e-6)
   leaves, treedef = jax.tree.flatten(state)
   assert isinstance(jax.tree.unflatten(treedef, leaves), kfl.FactorState)
+
+
+def test_inverse_method_is_selectable_through_kfac_and_the_optimizer(
+    monkeypatch):
+  """``inverse_method="schur"`` reaches the refresh: the same update as
+  ``"cholesky"`` (both exact), another one when ``schur_inverse`` is
+  poisoned; a wrong name is refused at construction."""
+  x = jnp.asarray(np.random.default_rng(10).normal(size=(12, 4)), jnp.float32)
+  batch = {"x": x, "y": x[:, :3] * 2}
+  params = {"w": jnp.ones((4, 3)) / 2, "b": jnp.zeros(3)}
+
+  def loss_fn(p, b):
+    return kfl.squared_error(b["x"] @ p["w"] + p["b"], b["y"]).sum(-1).mean()
+
+  grads = jax.grad(loss_fn)(params, batch)
+
+  def update(method):
+    tx = kfl.kfac(loss_fn, batch, damping=0.1, inverse_method=method)
+    return tx.update(grads, tx.init(params), params, batch=batch)[0]
+
+  close = lambda a, b: jax.tree.map(functools.partial(
+      np.testing.assert_allclose, rtol=1e-4, atol=1e-6), a, b)
+  want = update("cholesky")
+  close(update("schur"), want)
+  real = _inverse.schur_inverse
+  monkeypatch.setattr(_inverse, "schur_inverse",
+                      lambda m, *a: (lambda r: (r[0] / 2, r[1]))(real(m, *a)))
+  with pytest.raises(AssertionError):
+    close(update("schur"), want)
+  for make in (kfl.kfac, kfl.kfac_optimizer):
+    with pytest.raises(ValueError, match="inverse_method must be one of"):
+      make(loss_fn, batch, inverse_method="schur_complement")
