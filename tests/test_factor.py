@@ -227,6 +227,8 @@ def test_schur_inverse_recursion_is_the_exact_inverse(x64):
     for one in (bad, nan):
       m = jnp.asarray(np.stack([np.eye(61), one, np.eye(61)]), dtype)
       assert not bool(_small_schur(m)[1])
+  with pytest.raises(ValueError, match="leaf_size .* at least block_size"):
+    _inverse.schur_inverse(jnp.eye(9), leaf_size=4, block_size=8)
 
 def _poisoned_gauss_jordan(monkeypatch):
   """Make the Gauss-Jordan path recognisable: it returns 7·(its inverse)."""

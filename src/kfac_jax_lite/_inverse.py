@@ -170,7 +170,13 @@ def schur_inverse(m, leaf_size: int = LEAF_SIZE, block_size: int = BLOCK_SIZE):
 
   ``ok`` (a scalar bool) says every leaf pivot was positive and finite, i.e.
   ``m`` is numerically positive definite (see the module docstring).
+  ``leaf_size``: blocks of at most this size are inverted by the blocked
+  Gauss–Jordan sweep with pivot blocks of ``block_size`` (at least as big);
+  larger ones are split near half at a multiple of ``block_size``.
   """
+  if leaf_size < block_size:
+    raise ValueError(f"schur_inverse: leaf_size ({leaf_size}) must be at "
+                     f"least block_size ({block_size})")
   return _finish(*_negated_schur(m, leaf_size, block_size))
 
 
