@@ -29,18 +29,20 @@ operands to bfloat16 / TF32).
   ``W = A⁻¹ B`` and the Schur complement ``S = D − Bᵀ W`` (positive definite
   when ``m`` is), ``A⁻¹`` and ``S⁻¹`` recursively; blocks of at most
   ``leaf_size`` go to ``gauss_jordan_inverse``. The recursion is unrolled at
-  trace time. One level costs four products of size ``n/2`` (``n³`` flops),
-  so ``T(n) = 2T(n/2) + n³``: ``(4/3)n³`` flops when recursing to the end,
-  ``1.5n³`` with one level and Gauss–Jordan leaves, nearly all in square
-  products that run at matmul speed instead of rank-64 updates. Every leaf
-  is a Schur complement of ``m`` (of a trailing block of the leaf before,
-  recursively), so in exact arithmetic the leaves' pivots are the pivots
-  of ``m``'s LDLᵀ without pivoting, and ``ok`` (all of them positive and
-  finite) means what it means for ``gauss_jordan_inverse``. In floating
-  point ``S`` is formed with the computed ``A⁻¹`` (error ``~κ(A)·ε``), so
-  on ill-conditioned ``m`` the result is less accurate than a Cholesky
-  inverse, and near ``κ(m)·ε ≈ 0.1`` a pivot of ``S`` can go non-positive
-  (``ok`` False): measured in ``benchmarks/README.md``.
+  trace time. ``W`` gets one step of iterative refinement,
+  ``W ← W + A⁻¹(B − A W)``: formed as ``A⁻¹ B`` alone it carries the
+  ``κ(A)·ε`` error of the computed ``A⁻¹``, which swamps the small
+  eigenvalues of ``S`` (measured: 10-1000× Cholesky's forward error, and
+  non-positive pivots at ``κ(m)·ε ≈ 0.1``); refined, ``W`` nearly solves
+  ``(A + ΔA) W = B`` with a small ``ΔA``, so ``S`` is close to the Schur
+  complement of a matrix near ``m`` and the forward error stays near that
+  of ``gauss_jordan_inverse`` (``benchmarks/README.md``). Every leaf is a
+  Schur complement of (a matrix near) ``m``, so the leaves' pivots are the
+  pivots of its LDLᵀ without pivoting and ``ok`` means what it means for
+  ``gauss_jordan_inverse``. One level costs six products of size ``n/2``
+  (``1.5n³`` flops), so ``T(n) = 2T(n/2) + 1.5n³``: ``2n³`` flops like the
+  sweep, but nearly all of them in square products, which run at matmul
+  speed where the sweep's rank-64 updates do not.
 * ``newton_schulz_inverse`` — ``X ← X + X R`` with ``R = I − m X``, from a
   warm start ``x0`` (the previous refresh's inverse: factors move slowly).
   ``R`` is squared each step (``R_{k+1} = R_k²``), so from ``‖R₀‖ < 1`` the
@@ -59,11 +61,11 @@ from jax import lax
 HIGHEST = lax.Precision.HIGHEST
 BLOCK_SIZE = 64  # Pivot block width of gauss_jordan_inverse (measured on CPU).
 # Largest block schur_inverse hands to the Gauss–Jordan sweep. Measured on
-# the MNIST autoencoder's 16 factors (2-core CPU, benchmarks/README.md): 512
-# took 0.64x gauss_jordan's time and the K-FAC step compiled 1154 fusions
-# (gauss_jordan: 974); 256 took 0.52x but compiled 1622 (XLA:CPU compiles a
-# kernel per fusion, so the first step's compile grows with them).
-LEAF_SIZE = 512
+# the MNIST autoencoder's 16 factors (2-core CPU, benchmarks/README.md): 256
+# took about 0.7x gauss_jordan's time, 512 about 0.85x; their programs have
+# 3x and 1.5x gauss_jordan's fusions (XLA:CPU compiles a kernel per fusion,
+# so the first step's compile grows with them).
+LEAF_SIZE = 256
 
 
 def _mm(a, b):
@@ -147,8 +149,9 @@ def gauss_jordan_inverse(m, block_size: int = BLOCK_SIZE):
 def _negated_schur(m, leaf_size, block_size):
   """``(−m⁻¹, smallest pivot)`` by recursive Schur complements.
 
-  With ``N_A = −A⁻¹``, ``V = N_A B``, ``S = D + Bᵀ V``, ``N_S = −S⁻¹`` and
-  ``U = V N_S``: ``−m⁻¹ = [[N_A + U Vᵀ, U], [Uᵀ, N_S]]`` (no negations).
+  With ``N_A = −A⁻¹``, ``V = N_A B`` (refined once), ``S = D + Bᵀ V``,
+  ``N_S = −S⁻¹`` and ``U = V N_S``: ``−m⁻¹ = [[N_A + U Vᵀ, U], [Uᵀ, N_S]]``
+  (no negations).
   """
   n = m.shape[-1]
   if n <= leaf_size:
@@ -158,6 +161,9 @@ def _negated_schur(m, leaf_size, block_size):
   a, b, d = m[..., :h, :h], m[..., :h, h:], m[..., h:, h:]
   neg_a_inv, a_low = _negated_schur(a, leaf_size, block_size)
   v = _mm(neg_a_inv, b)  # −A⁻¹ B
+  # One step of iterative refinement (residual B − A W, W = −V): without it
+  # S inherits the κ(A)·ε error of the computed A⁻¹ (see the module docstring).
+  v = v + _mm(neg_a_inv, b + _mm(a, v))
   neg_s_inv, s_low = _negated_schur(d + _mm(_t(b), v), leaf_size, block_size)
   u = _mm(v, neg_s_inv)  # A⁻¹ B S⁻¹
   top = jnp.concatenate([neg_a_inv + _mm(u, _t(v)), u], axis=-1)
