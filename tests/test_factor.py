@@ -197,20 +197,21 @@ def test_each_inverse_method_refreshes_the_exact_damped_inverse(method, x64):
                                    atol=tol * np.abs(expected).max(), rtol=tol)
 
 
-# Small leaves and pivot blocks, so that sizes <= 130 recurse up to three
-# levels, split at multiples of 8 and pad the last leaf.
+# Small leaves and pivot blocks, so that these sizes split (at multiples of
+# 8; S's sweep pads).
 _small_schur = jax.jit(lambda m: _inverse.schur_inverse(m, leaf_size=24,
                                                         block_size=8))
 
 
 @pytest.mark.parametrize("x64", [False, True])
-def test_schur_inverse_recursion_is_the_exact_inverse(x64):
-  """Sizes at and off multiples of the leaf, batch axes; ok for indefinite."""
+def test_schur_inverse_split_is_the_exact_inverse(x64):
+  """Sizes at and off multiples of the pivot block, batch axes,
+  ill-conditioned matrices; not ok for indefinite ones."""
   rng = np.random.default_rng(9)
   with x64_mode(x64):
     dtype = jnp.float64 if x64 else jnp.float32
     tol = 1e-10 if x64 else 2e-5
-    for n, batch in ((40, (2,)), (61, (3,))):  # One level; two, padded.
+    for n, batch in ((40, (2,)), (61, (3,))):  # 16 + 24; 32 + 29 (padded).
       m = random_psd(rng, n, batch=batch) + 0.1 * np.eye(n)
       got, ok = _small_schur(jnp.asarray(m, dtype))
       expected = np.linalg.inv(m)
@@ -219,7 +220,7 @@ def test_schur_inverse_recursion_is_the_exact_inverse(x64):
       np.testing.assert_allclose(got, expected, rtol=tol,
                                  atol=tol * np.abs(expected).max())
     # Indefinite (one negative eigenvalue: its pivot turns up in a later
-    # leaf) or NaN: a batch with one bad member is not ok as a whole.
+    # block) or NaN: a batch with one bad member is not ok as a whole.
     q, _ = np.linalg.qr(rng.normal(size=(61, 61)))
     bad = (q * np.r_[np.linspace(1, 2, 60), -0.5]) @ q.T
     nan = np.eye(61)

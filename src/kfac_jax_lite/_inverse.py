@@ -23,26 +23,25 @@ operands to bfloat16 / TF32).
   definite exactly when every pivot is positive: that is the returned
   ``ok``, and then the accuracy is that of a Cholesky-based inverse
   (Higham 2002, §14.4).
-* ``schur_inverse`` — recursive Schur complements. Split
-  ``m = [[A, B], [Bᵀ, D]]`` near ``n/2`` (at a multiple of the pivot block);
-  then ``m⁻¹ = [[A⁻¹ + W S⁻¹ Wᵀ, −W S⁻¹], [−S⁻¹ Wᵀ, S⁻¹]]`` with
-  ``W = A⁻¹ B`` and the Schur complement ``S = D − Bᵀ W`` (positive definite
-  when ``m`` is), ``A⁻¹`` and ``S⁻¹`` recursively; blocks of at most
-  ``leaf_size`` go to ``gauss_jordan_inverse``. The recursion is unrolled at
-  trace time. ``W`` gets one step of iterative refinement,
-  ``W ← W + A⁻¹(B − A W)``: formed as ``A⁻¹ B`` alone it carries the
-  ``κ(A)·ε`` error of the computed ``A⁻¹``, which swamps the small
-  eigenvalues of ``S`` (measured: 10-1000× Cholesky's forward error, and
-  non-positive pivots at ``κ(m)·ε ≈ 0.1``); refined, ``W`` nearly solves
-  ``(A + ΔA) W = B`` with a small ``ΔA``, so ``S`` is close to the Schur
-  complement of a matrix near ``m`` and the forward error stays near that
-  of ``gauss_jordan_inverse`` (``benchmarks/README.md``). Every leaf is a
-  Schur complement of (a matrix near) ``m``, so the leaves' pivots are the
-  pivots of its LDLᵀ without pivoting and ``ok`` means what it means for
-  ``gauss_jordan_inverse``. One level costs six products of size ``n/2``
-  (``1.5n³`` flops), so ``T(n) = 2T(n/2) + 1.5n³``: ``2n³`` flops like the
-  sweep, but nearly all of them in square products, which run at matmul
-  speed where the sweep's rank-64 updates do not.
+* ``schur_inverse`` — one Schur-complement split. ``m = [[A, B], [Bᵀ, D]]``
+  split near ``n/2`` (at a multiple of the pivot block) when ``n`` exceeds
+  ``leaf_size``; then ``m⁻¹ = [[A⁻¹ + W S⁻¹ Wᵀ, −W S⁻¹], [−S⁻¹ Wᵀ, S⁻¹]]``
+  with ``W = A⁻¹ B`` and the Schur complement ``S = D − Bᵀ W`` (positive
+  definite when ``m`` is), ``A⁻¹`` and ``S⁻¹`` by ``gauss_jordan_inverse``.
+  ``W`` gets one step of iterative refinement, ``W ← W + A⁻¹(B − A W)``:
+  formed as ``A⁻¹ B`` alone it carries the ``κ(A)·ε`` error of the computed
+  ``A⁻¹``, which swamps the small eigenvalues of ``S`` (measured: 10-1000×
+  Cholesky's forward error, and non-positive pivots at ``κ(m)·ε ≈ 0.1``);
+  refined, the forward error stays within about 2× that of
+  ``gauss_jordan_inverse`` (``benchmarks/README.md``). Recursing (splitting
+  ``A`` and ``S`` again) was faster still but failed at ``κ(m)·ε ≈ 0.1``
+  even refined, so there is one split. ``A``'s pivots and ``S``'s are
+  those of ``m``'s LDLᵀ without pivoting (``S`` is the Schur complement of
+  a matrix near ``m``), so ``ok`` means what it means for
+  ``gauss_jordan_inverse``. Flops: six products of size ``n/2``
+  (``1.5n³``) plus two sweeps of size ``n/2`` (``n³/2``): ``2n³`` like the
+  sweep of the whole, but three quarters of them in square products, which
+  run at matmul speed where the sweep's rank-64 updates do not.
 * ``newton_schulz_inverse`` — ``X ← X + X R`` with ``R = I − m X``, from a
   warm start ``x0`` (the previous refresh's inverse: factors move slowly).
   ``R`` is squared each step (``R_{k+1} = R_k²``), so from ``‖R₀‖ < 1`` the
@@ -60,12 +59,11 @@ from jax import lax
 
 HIGHEST = lax.Precision.HIGHEST
 BLOCK_SIZE = 64  # Pivot block width of gauss_jordan_inverse (measured on CPU).
-# Largest block schur_inverse hands to the Gauss–Jordan sweep. Measured on
-# the MNIST autoencoder's 16 factors (2-core CPU, benchmarks/README.md): 256
-# took about 0.7x gauss_jordan's time, 512 about 0.85x; their programs have
-# 3x and 1.5x gauss_jordan's fusions (XLA:CPU compiles a kernel per fusion,
-# so the first step's compile grows with them).
-LEAF_SIZE = 256
+# Largest matrix schur_inverse sweeps whole (larger ones are split once).
+# Measured on the MNIST autoencoder's 16 factors (2-core CPU,
+# benchmarks/README.md): 0.75-0.86x gauss_jordan's time, its program 1.5x
+# gauss_jordan's fusions (XLA:CPU compiles a kernel per fusion).
+LEAF_SIZE = 512
 
 
 def _mm(a, b):
@@ -147,24 +145,24 @@ def gauss_jordan_inverse(m, block_size: int = BLOCK_SIZE):
 
 
 def _negated_schur(m, leaf_size, block_size):
-  """``(−m⁻¹, smallest pivot)`` by recursive Schur complements.
+  """``(−m⁻¹, smallest pivot)`` by one Schur-complement split.
 
   With ``N_A = −A⁻¹``, ``V = N_A B`` (refined once), ``S = D + Bᵀ V``,
   ``N_S = −S⁻¹`` and ``U = V N_S``: ``−m⁻¹ = [[N_A + U Vᵀ, U], [Uᵀ, N_S]]``
-  (no negations).
+  (no negations). ``A⁻¹`` and ``S⁻¹`` come from the sweep.
   """
   n = m.shape[-1]
   if n <= leaf_size:
     return _negated_gauss_jordan(m, block_size)
-  # Split near n/2 at a multiple of the pivot block: only the last leaf pads.
+  # Split near n/2 at a multiple of the pivot block: only S's sweep pads.
   h = max(1, round(n / 2 / block_size)) * block_size
   a, b, d = m[..., :h, :h], m[..., :h, h:], m[..., h:, h:]
-  neg_a_inv, a_low = _negated_schur(a, leaf_size, block_size)
+  neg_a_inv, a_low = _negated_gauss_jordan(a, block_size)
   v = _mm(neg_a_inv, b)  # −A⁻¹ B
   # One step of iterative refinement (residual B − A W, W = −V): without it
   # S inherits the κ(A)·ε error of the computed A⁻¹ (see the module docstring).
   v = v + _mm(neg_a_inv, b + _mm(a, v))
-  neg_s_inv, s_low = _negated_schur(d + _mm(_t(b), v), leaf_size, block_size)
+  neg_s_inv, s_low = _negated_gauss_jordan(d + _mm(_t(b), v), block_size)
   u = _mm(v, neg_s_inv)  # A⁻¹ B S⁻¹
   top = jnp.concatenate([neg_a_inv + _mm(u, _t(v)), u], axis=-1)
   bottom = jnp.concatenate([_t(u), neg_s_inv], axis=-1)
@@ -176,9 +174,10 @@ def schur_inverse(m, leaf_size: int = LEAF_SIZE, block_size: int = BLOCK_SIZE):
 
   ``ok`` (a scalar bool) says every leaf pivot was positive and finite, i.e.
   ``m`` is numerically positive definite (see the module docstring).
-  ``leaf_size``: blocks of at most this size are inverted by the blocked
-  Gauss–Jordan sweep with pivot blocks of ``block_size`` (at least as big);
-  larger ones are split near half at a multiple of ``block_size``.
+  ``leaf_size``: a matrix of at most this size is inverted by the blocked
+  Gauss–Jordan sweep with pivot blocks of ``block_size`` (at least as big)
+  directly; a larger one is split once, near half at a multiple of
+  ``block_size``, and its two diagonal blocks swept.
   """
   if leaf_size < block_size:
     raise ValueError(f"schur_inverse: leaf_size ({leaf_size}) must be at "
