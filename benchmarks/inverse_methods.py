@@ -9,7 +9,7 @@ Kronecker factors (784-1000-500-250-30-250-500-1000-784: A sizes 785, 1001,
 784) in one jitted call per method, timed round-robin (median of
 ``--reps``), with each program's compile time, fusion and while-loop counts
 (XLA:CPU compiles one kernel per fusion). Methods: the library's
-``gauss_jordan_inverse`` and ``schur_inverse`` (at two leaf sizes) and
+``gauss_jordan_inverse`` and ``schur_inverse`` (one Schur split) and
 jaxlib's Cholesky followed by ``cho_solve`` against the identity. Nothing
 is tuned: no ``threadpoolctl``, no thread variables (what a plain ``python
 train.py`` gets).
@@ -24,7 +24,6 @@ float64 (``jax_enable_x64``) at κ = 1e8, 1e12.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -54,8 +53,7 @@ def _cholesky(m):
 
 METHODS = {
     "gauss_jordan": _inverse.gauss_jordan_inverse,
-    "schur (leaf 512)": functools.partial(_inverse.schur_inverse, leaf_size=512),
-    "schur (leaf 256)": functools.partial(_inverse.schur_inverse, leaf_size=256),
+    "schur": _inverse.schur_inverse,
     "cholesky + cho_solve(I)": _cholesky,
 }
 
@@ -119,8 +117,8 @@ def accuracy(sizes):
           x = np.asarray(x, np.float64)
           fwd = np.linalg.norm(x - ref) / np.linalg.norm(ref)
           res = np.linalg.norm(m.astype(np.float64) @ x - np.eye(n)) / np.sqrt(n)
-          cells.append(f"{name.split()[0][:5]}{name[-4:-1] if 'leaf' in name else ''}"
-                       f" {fwd:.1e}/{res:.1e}{'' if bool(ok) else ' NOT OK'}")
+          cells.append(f"{name.split()[0][:5]} {fwd:.1e}/{res:.1e}"
+                       f"{'' if bool(ok) else ' NOT OK'}")
         print(f"  {'f64' if x64 else 'f32'} κ={cond:.0e} n={n:<5}" + "  ".join(cells))
   jax.config.update("jax_enable_x64", False)
 
@@ -130,11 +128,13 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true")
   p.add_argument("--reps", type=int, default=7)
   p.add_argument("--no-accuracy", dest="accuracy", action="store_false")
+  p.add_argument("--no-timing", dest="timing", action="store_false")
   args = p.parse_args(argv)
   print(f"jax {jax.__version__}, devices {jax.devices()}, {os.cpu_count()} CPUs; "
         "no thread settings")
   sizes = QUICK_FACTORS if args.quick else AUTOENCODER_FACTORS
-  time_methods(sizes, args.reps)
+  if args.timing:
+    time_methods(sizes, args.reps)
   if args.accuracy:
     accuracy(QUICK_FACTORS if args.quick else (250, 785, 1001))
 

@@ -32,18 +32,14 @@ Damped inverses ``(C + d·I)⁻¹`` come from one of ``INVERSE_METHODS``:
   ``κ(m)²·ε``, not ``κ(m)·ε``). The default on CPU, where LAPACK's own
   thread pool competes with XLA's (a refresh through LAPACK was 6-40×
   slower there unless the user capped it).
-* ``"schur"`` — recursive Schur complements (``_inverse``): ``m⁻¹`` from
-  the inverses of its leading half ``A`` and of ``S = D − Bᵀ A⁻¹ B``, down
-  to blocks of at most 512 that ``"gauss_jordan"`` inverts. XLA matrix
-  products only, ``1.5n³`` flops for ``n ≤ 1024``, most of them in square
-  products of size ``n/2``: on the MNIST autoencoder's 16 factors about
-  0.65× the time of ``"gauss_jordan"`` (CPU). Less accurate on
-  ill-conditioned factors (``S`` is formed with the computed ``A⁻¹``, whose
-  error grows like ``κ(A)·ε``): its forward error was 10× Cholesky's at
-  ``κ = 1e4`` in float32 and 1000× at ``κ = 1e8`` in float64 (n ≥ 785),
-  and at ``κ = 1e6`` / ``1e12`` a pivot goes non-positive, so the refresh
-  fails and keeps its last cache. Use it for well-conditioned (well
-  damped) factors.
+* ``"schur"`` — one Schur-complement split (``_inverse``): above 512,
+  ``m⁻¹`` from the sweeps of its leading half ``A`` and of the Schur
+  complement ``S = D − Bᵀ A⁻¹ B`` (``A⁻¹ B`` refined once) and six square
+  products of size ``n/2``. XLA matrix products only, ``2n³`` flops, three
+  quarters of them in square products: on the MNIST autoencoder's 16
+  factors 0.75-0.86× the time of ``"gauss_jordan"`` (CPU), forward error
+  within about 2× of it, and a program with about 1.5× its fusions (so
+  a slower first compile). Below 513 it is ``"gauss_jordan"``.
 * ``"cholesky"`` — ``L Lᵀ = C + d·I`` (LAPACK / cuSOLVER), then
   ``L⁻ᵀ L⁻¹`` by two triangular solves against ``I``. The default on other
   backends.
