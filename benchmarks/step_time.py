@@ -103,7 +103,7 @@ QUICK = (784, 256, 64, 256, 784)
 # c of c·n³ per factor inverse; see the module docstring.
 DECOMP_COSTS = (("c=1 potrf+potri", 1.0), ("c=2 gauss-jordan", 2.0),
                 ("c=7/3 chol+solve(I)", 7 / 3), ("c=10 eigh", 10.0))
-METHODS = ("gauss_jordan", "cholesky", "newton_schulz", "eigh")
+METHODS = ("gauss_jordan", "schur", "cholesky", "newton_schulz", "eigh")
 # Issue 13's goals for the amortised T=10 ratios and the compile ratio.
 GOALS = {"1-pass": 2.8, "2-pass": 3.1, "2-pass 1/8": 1.9, "compile": 3.0}
 

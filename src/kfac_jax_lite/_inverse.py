@@ -2,9 +2,9 @@
 
 On CPU, jaxlib's ``cholesky``/``eigh``/``triangular_solve`` call LAPACK
 (scipy's OpenBLAS, with a thread pool of its own that competes with XLA's),
-and on TPUs they are slow next to matrix products. The two algorithms here
+and on TPUs they are slow next to matrix products. The algorithms here
 run as XLA matrix products plus a short loop of rank-one updates, in XLA's
-own threads, the same way on every backend. Both take ``m [..., n, n]``
+own threads, the same way on every backend. All take ``m [..., n, n]``
 (leading axes are a batch) and compute ``m⁻¹`` in ``m``'s dtype; products
 use ``Precision.HIGHEST`` (TPUs and recent GPUs otherwise round float32
 operands to bfloat16 / TF32).
@@ -23,6 +23,25 @@ operands to bfloat16 / TF32).
   definite exactly when every pivot is positive: that is the returned
   ``ok``, and then the accuracy is that of a Cholesky-based inverse
   (Higham 2002, §14.4).
+* ``schur_inverse`` — one Schur-complement split. ``m = [[A, B], [Bᵀ, D]]``
+  split near ``n/2`` (at a multiple of the pivot block) when ``n`` exceeds
+  ``leaf_size``; then ``m⁻¹ = [[A⁻¹ + W S⁻¹ Wᵀ, −W S⁻¹], [−S⁻¹ Wᵀ, S⁻¹]]``
+  with ``W = A⁻¹ B`` and the Schur complement ``S = D − Bᵀ W`` (positive
+  definite when ``m`` is), ``A⁻¹`` and ``S⁻¹`` by ``gauss_jordan_inverse``.
+  ``W`` gets one step of iterative refinement, ``W ← W + A⁻¹(B − A W)``:
+  formed as ``A⁻¹ B`` alone it carries the ``κ(A)·ε`` error of the computed
+  ``A⁻¹``, which swamps the small eigenvalues of ``S`` (measured: 10-1000×
+  Cholesky's forward error, and non-positive pivots at ``κ(m)·ε ≈ 0.1``);
+  refined, the forward error stays within about 2× that of
+  ``gauss_jordan_inverse`` (``benchmarks/README.md``). Recursing (splitting
+  ``A`` and ``S`` again) was faster still but failed at ``κ(m)·ε ≈ 0.1``
+  even refined, so there is one split. ``A``'s pivots and ``S``'s are
+  those of ``m``'s LDLᵀ without pivoting (``S`` is the Schur complement of
+  a matrix near ``m``), so ``ok`` means what it means for
+  ``gauss_jordan_inverse``. Flops: six products of size ``n/2``
+  (``1.5n³``) plus two sweeps of size ``n/2`` (``n³/2``): ``2n³`` like the
+  sweep of the whole, but three quarters of them in square products, which
+  run at matmul speed where the sweep's rank-64 updates do not.
 * ``newton_schulz_inverse`` — ``X ← X + X R`` with ``R = I − m X``, from a
   warm start ``x0`` (the previous refresh's inverse: factors move slowly).
   ``R`` is squared each step (``R_{k+1} = R_k²``), so from ``‖R₀‖ < 1`` the
@@ -40,6 +59,11 @@ from jax import lax
 
 HIGHEST = lax.Precision.HIGHEST
 BLOCK_SIZE = 64  # Pivot block width of gauss_jordan_inverse (measured on CPU).
+# Largest matrix schur_inverse sweeps whole (larger ones are split once).
+# Measured on the MNIST autoencoder's 16 factors (2-core CPU,
+# benchmarks/README.md): 0.75-0.86x gauss_jordan's time, its program 1.5x
+# gauss_jordan's fusions (XLA:CPU compiles a kernel per fusion).
+LEAF_SIZE = 512
 
 
 def _mm(a, b):
@@ -71,6 +95,44 @@ def _leaf_inverse(p):
   return lax.fori_loop(0, n, step, init)
 
 
+def _negated_gauss_jordan(m, block_size):
+  """``(−m⁻¹, smallest pivot)`` by the blocked sweep (``gauss_jordan_inverse``).
+
+  The sweep ends with ``−m⁻¹``; returning it as it is saves a pass over the
+  matrix (and a compiled kernel) where the caller folds the sign in.
+  """
+  n = m.shape[-1]
+  if n <= block_size:
+    inv, low = _leaf_inverse(m)
+    return -inv, low
+  size = -(-n // block_size) * block_size
+  pad = [(0, 0)] * (m.ndim - 2) + [(0, size - n), (0, size - n)]
+  a = jnp.pad(m, pad) + jnp.diag(jnp.arange(size) >= n).astype(m.dtype)
+
+  def sweep(k, carry):
+    a, low = carry
+    start = k * block_size
+    col = lax.dynamic_slice_in_dim(a, start, block_size, axis=-1)
+    pivot = lax.dynamic_slice_in_dim(col, start, block_size, axis=-2)
+    pivot_inv, pivot_low = _leaf_inverse(pivot)
+    w = _mm(col, pivot_inv)
+    a = a - _mm(w, _t(col))
+    w = lax.dynamic_update_slice_in_dim(w, -pivot_inv, start, axis=-2)
+    a = lax.dynamic_update_slice_in_dim(a, w, start, axis=-1)
+    a = lax.dynamic_update_slice_in_dim(a, _t(w), start, axis=-2)
+    return a, jnp.minimum(low, pivot_low)
+
+  init = (a, jnp.asarray(jnp.inf, m.dtype))
+  a, low = lax.fori_loop(0, size // block_size, sweep, init)
+  return a[..., :n, :n], low
+
+
+def _finish(negated_inv, low):
+  """``(m⁻¹, ok)`` from ``−m⁻¹`` (symmetrised) and the smallest pivot."""
+  inv = -(negated_inv + _t(negated_inv)) / 2
+  return inv, (low > 0) & jnp.all(jnp.isfinite(inv))
+
+
 def gauss_jordan_inverse(m, block_size: int = BLOCK_SIZE):
   """``(m⁻¹, ok)`` for symmetric ``m [..., n, n]`` by blocked Gauss–Jordan.
 
@@ -79,33 +141,48 @@ def gauss_jordan_inverse(m, block_size: int = BLOCK_SIZE):
   matrix is padded to a multiple of ``block_size`` with an identity block
   (whose inverse is itself, so the top-left block of the result is exact).
   """
+  return _finish(*_negated_gauss_jordan(m, block_size))
+
+
+def _negated_schur(m, leaf_size, block_size):
+  """``(−m⁻¹, smallest pivot)`` by one Schur-complement split.
+
+  With ``N_A = −A⁻¹``, ``V = N_A B`` (refined once), ``S = D + Bᵀ V``,
+  ``N_S = −S⁻¹`` and ``U = V N_S``: ``−m⁻¹ = [[N_A + U Vᵀ, U], [Uᵀ, N_S]]``
+  (no negations). ``A⁻¹`` and ``S⁻¹`` come from the sweep.
+  """
   n = m.shape[-1]
-  if n <= block_size:
-    inv, low = _leaf_inverse(m)
-  else:
-    size = -(-n // block_size) * block_size
-    pad = [(0, 0)] * (m.ndim - 2) + [(0, size - n), (0, size - n)]
-    a = jnp.pad(m, pad) + jnp.diag(jnp.arange(size) >= n).astype(m.dtype)
+  if n <= leaf_size:
+    return _negated_gauss_jordan(m, block_size)
+  # Split near n/2 at a multiple of the pivot block: only S's sweep pads.
+  h = max(1, round(n / 2 / block_size)) * block_size
+  a, b, d = m[..., :h, :h], m[..., :h, h:], m[..., h:, h:]
+  neg_a_inv, a_low = _negated_gauss_jordan(a, block_size)
+  v = _mm(neg_a_inv, b)  # −A⁻¹ B
+  # One step of iterative refinement (residual B − A W, W = −V): without it
+  # S inherits the κ(A)·ε error of the computed A⁻¹ (see the module docstring).
+  v = v + _mm(neg_a_inv, b + _mm(a, v))
+  neg_s_inv, s_low = _negated_gauss_jordan(d + _mm(_t(b), v), block_size)
+  u = _mm(v, neg_s_inv)  # A⁻¹ B S⁻¹
+  top = jnp.concatenate([neg_a_inv + _mm(u, _t(v)), u], axis=-1)
+  bottom = jnp.concatenate([_t(u), neg_s_inv], axis=-1)
+  return jnp.concatenate([top, bottom], axis=-2), jnp.minimum(a_low, s_low)
 
-    def sweep(k, carry):
-      a, low = carry
-      start = k * block_size
-      col = lax.dynamic_slice_in_dim(a, start, block_size, axis=-1)
-      pivot = lax.dynamic_slice_in_dim(col, start, block_size, axis=-2)
-      pivot_inv, pivot_low = _leaf_inverse(pivot)
-      w = _mm(col, pivot_inv)
-      a = a - _mm(w, _t(col))
-      w = lax.dynamic_update_slice_in_dim(w, -pivot_inv, start, axis=-2)
-      a = lax.dynamic_update_slice_in_dim(a, w, start, axis=-1)
-      a = lax.dynamic_update_slice_in_dim(a, _t(w), start, axis=-2)
-      return a, jnp.minimum(low, pivot_low)
 
-    init = (a, jnp.asarray(jnp.inf, m.dtype))
-    a, low = lax.fori_loop(0, size // block_size, sweep, init)
-    inv = -a[..., :n, :n]
-  inv = (inv + _t(inv)) / 2
-  ok = (low > 0) & jnp.all(jnp.isfinite(inv))
-  return inv, ok
+def schur_inverse(m, leaf_size: int = LEAF_SIZE, block_size: int = BLOCK_SIZE):
+  """``(m⁻¹, ok)`` for symmetric ``m [..., n, n]`` by recursive Schur complements.
+
+  ``ok`` (a scalar bool) says every leaf pivot was positive and finite, i.e.
+  ``m`` is numerically positive definite (see the module docstring).
+  ``leaf_size``: a matrix of at most this size is inverted by the blocked
+  Gauss–Jordan sweep with pivot blocks of ``block_size`` (at least as big)
+  directly; a larger one is split once, near half at a multiple of
+  ``block_size``, and its two diagonal blocks swept.
+  """
+  if leaf_size < block_size:
+    raise ValueError(f"schur_inverse: leaf_size ({leaf_size}) must be at "
+                     f"least block_size ({block_size})")
+  return _finish(*_negated_schur(m, leaf_size, block_size))
 
 
 def _frobenius(x):
