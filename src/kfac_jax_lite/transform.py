@@ -64,6 +64,7 @@ import jax.numpy as jnp
 import optax
 
 from kfac_jax_lite.blocks import Stacked
+from kfac_jax_lite import _detection
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite import tagging
@@ -86,38 +87,6 @@ def float_dtype(tree):
   return jnp.result_type(jnp.float32, *[
       x.dtype for x in jax.tree.leaves(tree)
       if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)])
-
-
-def _signature(tree):
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((tuple(jnp.shape(x)), str(jnp.result_type(x)))
-                        for x in leaves)
-
-
-def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):
-  """``tagging.find_layers`` (the detection, no blocks), once per params
-  and batch structure, shapes and dtypes (a batch whose dtypes change
-  between steps, e.g. BatchNorm statistics that come back float64 under
-  ``jax_enable_x64``, traces differently: it gets its own detection)."""
-  sig = (_signature(params), _signature(example_batch))
-  if sig not in cache:
-    cache[sig] = tagging.find_layers(loss_fn, params, example_batch, **options)
-  return cache[sig]
-
-
-def _check_same_layers(expected, got):
-  """A detection for another batch must give the example batch's blocks
-  (the state holds theirs)."""
-  key = lambda t: [(l.name, l.params, l.spec, l.block, l.row_uses)
-                   for l in t.layers]
-  if key(got) != key(expected):
-    raise ValueError(
-        "kfac: the layers found for this batch differ from those of the "
-        "example batch (its shapes or dtypes make the loss trace "
-        f"differently): {[l.name for l in got.layers]} with blocks "
-        f"{[type(l.block).__name__ for l in got.layers]} vs "
-        f"{[l.name for l in expected.layers]}; pass an example batch like "
-        "the batches you train on")
 
 
 def _per_slice(layer, fn):
@@ -446,14 +415,14 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     """The layers of ``params``' structure for ``batch`` (None: the
     example batch), with their blocks; the same blocks as for the example
     batch, or an error."""
-    tagged = find_layers_cached(detection_cache, loss_fn, params,
+    tagged = _detection.find_layers_cached(detection_cache, loss_fn, params,
                                 example_batch if batch is None else batch,
                                 has_aux=has_aux, exclude=exclude)
     if tagged not in with_blocks:
       with_blocks[tagged] = tagged.with_blocks(
           blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
     if batch is not None:
-      _check_same_layers(tagged_for(params), with_blocks[tagged])
+      _detection.check_same_layers(tagged_for(params), with_blocks[tagged])
     return with_blocks[tagged]
 
   def init_fn(params):
