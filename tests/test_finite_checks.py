@@ -1,5 +1,5 @@
 """The step's finiteness verdicts: ``factor.all_finite`` (one sum of
-``x·0`` per leaf) and ``transform.guard`` (read off ``⟨u, g⟩``, checked
+``x - x`` per leaf) and ``transform.guard`` (read off ``⟨u, g⟩``, checked
 leaf by leaf only when that is not finite) must be exact: any one
 non-finite entry in any leaf is caught, and huge finite values (whose
 plain sums overflow) are not mistaken for non-finite ones. float32 and
@@ -37,7 +37,7 @@ def test_all_finite_catches_any_one_entry_and_never_overflows(x64):
     dtype = jnp.float64 if x64 else jnp.float32
     check = _all_finite(jnp.dtype(dtype).name)
     tree = _tree(dtype)
-    # All entries at half the largest float: Σx overflows, Σx·0 does not.
+    # All entries at half the largest float: Σx overflows, Σ(x - x) does not.
     assert bool(check(tree))
     assert bool(check([]))
     for i, leaf in enumerate(tree[:len(SHAPES)]):
