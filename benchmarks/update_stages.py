@@ -79,13 +79,12 @@ def main(argv=None):
   lam = jnp.float32(1.0)
   pre = transform.precondition(layers, blocks, leaves, lam, -1.0)
   ok = jnp.asarray(True)
-  if hasattr(transform, "inner_product"):  # This version's stages.
+  if hasattr(transform, "inner_product"):  # This version: clip gives the scale.
     def clip(u, g):
-      return transform.clip(transform.inner_product(u, g, jnp.float32), 1.0)
+      return transform.clip(u, g, 1.0, jnp.float32)
 
     def guard(u, g):
-      inner = transform.inner_product(u, g, jnp.float32)
-      return transform.guard(u, g, ok, inner, transform.clip(inner, 1.0))[0]
+      return transform.guard(u, g, ok, clip(u, g))[0]
   else:  # Before (5c05fb3): clip scales the updates, guard checks them.
     def clip(u, g):
       return transform.clip(u, g, 1.0, jnp.float32)

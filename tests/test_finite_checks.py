@@ -1,9 +1,8 @@
 """The step's finiteness verdicts: ``factor.all_finite`` (one sum of
-``x - x`` per leaf) and ``transform.guard`` (read off ``⟨u, g⟩``, checked
-leaf by leaf only when that is not finite) must be exact: any one
-non-finite entry in any leaf is caught, and huge finite values (whose
-plain sums overflow) are not mistaken for non-finite ones. float32 and
-float64."""
+``x - x`` over packed leaves) and ``transform.guard`` (which uses it, with
+the clipping scale applied in its pass) must be exact: any one non-finite
+entry in any leaf is caught, and huge finite values (whose plain sums
+overflow) are not mistaken for non-finite ones. float32 and float64."""
 import functools
 
 import jax
@@ -62,10 +61,9 @@ def _guard(dtype_name):
 
   @jax.jit
   def guard(u, g, damping_ok):
-    inner = transform.inner_product(u, g, dtype)
     out, grads_ok, update_ok = transform.guard(
-        u, g, damping_ok, inner, transform.clip(inner, 1.0))
-    return out, grads_ok, update_ok, inner
+        u, g, damping_ok, transform.clip(u, g, 1.0, dtype))
+    return out, grads_ok, update_ok, transform.inner_product(u, g, dtype)
   return guard
 
 

@@ -50,12 +50,12 @@ mode uses each call's ``λ``.
 Everything lives in ``KfacState``; ``init`` and ``update`` are pure and
 trace to one program. ``update`` runs the stages below in turn
 (``statistics``, ``accumulate``, ``refresh``, ``precondition``,
-``inner_product``, ``clip``, ``guard``); one ``lax.cond`` gates all
+``clip``, ``guard``); one ``lax.cond`` gates all
 refreshes and returns only the caches, so a step without a refresh moves
 no covariance through a conditional (``cov_every > 1`` adds one around the
-statistics). The finiteness checks cost one reduction per leaf
-(``factor.all_finite``); those of the gradient and the update are read
-off ``⟨u, g⟩`` (``guard``) and run leaf by leaf only when it is not finite.
+statistics). The finiteness checks are one reduction per large leaf
+and per group of small ones (``factor.all_finite``); ``guard`` applies the
+clipping scale in the same pass as its selects.
 """
 from __future__ import annotations
 
@@ -280,40 +280,33 @@ def precondition(layers, states, grad_leaves, damping, precon_power):
 
 def inner_product(updates, grad_leaves, dtype):
   """``⟨u, g⟩`` over all leaves, in ``dtype`` (the small leaves packed
-  into few kernels, ``_packing``). Finite only if every entry
-  of ``u`` and ``g`` is: a non-finite entry makes its term ±inf or NaN
-  (``inf·0 = NaN``), and a sum with such a term is not finite."""
+  into few kernels, ``_packing``)."""
   us = _packing.pack([u.astype(dtype) for u in updates])
   gs = _packing.pack([g.astype(dtype) for g in grad_leaves])
   return sum((jnp.vdot(u, g) for u, g in zip(us, gs)), jnp.zeros((), dtype))
 
 
-def clip(inner, norm_constraint):
+def clip(updates, grad_leaves, norm_constraint, dtype):
   """The KL clipping scale (Ba et al. 2017) ``s = min(1, √(norm_constraint
-  / ⟨u, g⟩))`` from ``inner = ⟨u, g⟩``; 1 when ``⟨u, g⟩ ≤ 0`` (or NaN) or
-  ``norm_constraint`` is None. ``s`` is in ``[0, 1]``, so ``s·u`` is finite
-  exactly when ``u`` is."""
+  / ⟨u, g⟩))``; 1 when ``⟨u, g⟩ ≤ 0`` (or NaN) or ``norm_constraint`` is
+  None. ``s`` is in ``[0, 1]``, so ``s·u`` is finite exactly when ``u``
+  is; ``guard`` applies it."""
   if norm_constraint is None:
-    return jnp.ones((), inner.dtype)
+    return jnp.ones((), dtype)
+  inner = inner_product(updates, grad_leaves, dtype)
   scale = jnp.where(inner > 0, jnp.sqrt(norm_constraint / jnp.where(
       inner > 0, inner, 1)), 1.0)
   return jnp.minimum(1.0, scale)
 
 
-def guard(updates, grad_leaves, damping_ok, inner, scale):
-  """``(updates, grads_ok, update_ok)``: ``s·u`` (``scale``), a zero update
-  for non-finite gradients or a bad damping, the gradient for a non-finite
-  update.
-
-  A finite ``inner = ⟨u, g⟩`` (``inner_product``) proves every gradient
-  and update entry finite, so the per-leaf checks run (in a ``lax.cond``)
-  only when it is not: the verdicts are exact and an ordinary step reads
-  ``u`` and ``g`` once, here, to write the result.
-  """
-  yes = jnp.asarray(True)
-  grads_ok, update_ok = jax.lax.cond(
-      jnp.isfinite(inner), lambda: (yes, yes),
-      lambda: (fac.all_finite(grad_leaves), fac.all_finite(updates)))
+def guard(updates, grad_leaves, damping_ok, scale):
+  """``(updates, grads_ok, update_ok)``: ``s·u`` (``s = scale``, from
+  ``clip``), a zero update for non-finite gradients or a bad damping, the
+  gradient for a non-finite update; one elementwise pass per leaf. The
+  verdicts are ``factor.all_finite`` of ``g`` and of ``u`` (that of
+  ``s·u``, as ``s`` is in ``[0, 1]``)."""
+  grads_ok = fac.all_finite(grad_leaves)
+  update_ok = fac.all_finite(updates)
   good = grads_ok & damping_ok
   out = [jnp.where(good, jnp.where(update_ok, (u * scale).astype(u.dtype), g),
                    jnp.zeros_like(g))
@@ -504,9 +497,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
                      axis_name=axis_name)
     leaves, treedef = jax.tree.flatten(grads)
     out = precondition(layers, states, leaves, lam, precon_power)
-    inner = inner_product(out, leaves, dtype)
-    out, grads_ok, update_ok = guard(out, leaves, damping_ok, inner,
-                                     clip(inner, norm_constraint))
+    out, grads_ok, update_ok = guard(
+        out, leaves, damping_ok, clip(out, leaves, norm_constraint, dtype))
     good = grads_ok & damping_ok
     count = lambda x: x.astype(jnp.int32)
     new_state = KfacState(
