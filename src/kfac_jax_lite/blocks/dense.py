@@ -36,13 +36,11 @@ from kfac_jax_lite.blocks import base
 WEIGHT_SHARING = ("expand", "reduce")
 
 
-def dense_data(layout, inputs, cotangents, weights, where, bias_column=True):
+def dense_data(layout, inputs, cotangents, weights, where):
   """Per-example data of a dense layer, flattened for the statistics.
 
   Returns ``(a [N, R, a], g [S, N, R, b], c [N], w [N])`` with the bias
-  column of ones appended to ``a`` when the layer has a bias and
-  ``bias_column`` (else ``a`` is the inputs alone: ``input_stats(...,
-  bias=True)`` adds the bias row and column without copying ``a``).
+  column of ones appended to ``a`` when the layer has a bias.
   """
   inputs = jnp.asarray(inputs)
   cotangents = jnp.asarray(cotangents)
@@ -59,36 +57,19 @@ def dense_data(layout, inputs, cotangents, weights, where, bias_column=True):
   dtype = base.stats_dtype(inputs, cotangents)
   n, r = inputs.shape[0], math.prod(shared)
   a = inputs.reshape(n, r, -1).astype(dtype)
-  if layout.has_bias and bias_column:
+  if layout.has_bias:
     a = jnp.concatenate([a, jnp.ones((n, r, 1), dtype)], axis=-1)
   g = g.reshape(g.shape[0], n, r, -1).astype(dtype)
   c, w = base.normalized_weights(weights, n, dtype)
   return a, g, c, w
 
 
-def input_stats(a, w, weight_sharing, bias=False):
-  """The input factor ``A`` from ``a [N, R, d]`` and weights ``w``.
-
-  With ``bias``, ``a`` lacks the bias column of ones and ``A`` [d+1, d+1]
-  is that of ``ā = [a, 1]``, assembled from its blocks: ``[[Σ w aaᵀ,
-  Σ w a], [Σ w aᵀ, Σ w]]`` (averaged over R for ``"expand"``; for
-  ``"reduce"`` ``ã = [mean_r a, 1]``). That spares the copy of every
-  activation with a column appended, and the product runs at the inputs'
-  own (often aligned) width ``d`` rather than ``d + 1``.
-  """
+def input_stats(a, w, weight_sharing):
+  """The input factor ``A`` [a, a] from ``a [N, R, a]`` and weights ``w``."""
   if weight_sharing == "expand":
-    aw = a * w[:, None, None]
-    core = jnp.einsum("nri,nrj->ij", aw, a) / a.shape[1]
-    edge = jnp.sum(aw, axis=(0, 1)) / a.shape[1]
-  else:
-    a_bar = a.mean(axis=1)
-    aw = a_bar * w[:, None]
-    core = jnp.einsum("ni,nj->ij", aw, a_bar)
-    edge = jnp.sum(aw, axis=0)
-  if not bias:
-    return core
-  corner = jnp.sum(w).astype(core.dtype)
-  return jnp.block([[core, edge[:, None]], [edge[None, :], corner[None, None]]])
+    return jnp.einsum("nri,nrj->ij", a * w[:, None, None], a) / a.shape[1]
+  a_bar = a.mean(axis=1)
+  return jnp.einsum("ni,nj->ij", a_bar * w[:, None], a_bar)
 
 
 def output_stats(g, c, weight_sharing):
@@ -99,12 +80,10 @@ def output_stats(g, c, weight_sharing):
   return jnp.einsum("sni,snj->ij", g_hat * c[:, None], g_hat) / g.shape[0]
 
 
-def kronecker_stats(a, g, c, w, weight_sharing, bias=False):
-  """``KroneckerState``-shaped statistics ``(A [1, a, a], G [1, b, b])``
-  (``bias``: ``a`` lacks the bias column, see ``input_stats``)."""
-  return _kron.KroneckerState(
-      a=input_stats(a, w, weight_sharing, bias)[None],
-      g=output_stats(g, c, weight_sharing)[None])
+def kronecker_stats(a, g, c, w, weight_sharing):
+  """``KroneckerState``-shaped statistics ``(A [1, a, a], G [1, b, b])``."""
+  return _kron.KroneckerState(a=input_stats(a, w, weight_sharing)[None],
+                              g=output_stats(g, c, weight_sharing)[None])
 
 
 def check_weight_sharing(mode, where):
@@ -145,6 +124,5 @@ class KroneckerDense(base.KroneckerBlock):
     """Statistics from inputs ``[N, *shared, *in_dims]`` and cotangents
     ``[(S,) N, *shared, *out_dims]`` (``∂ℓ_i/∂y``, S sampled targets)."""
     return kronecker_stats(
-        *dense_data(self.layout, inputs, cotangents, weights, repr(self),
-                    bias_column=False),
-        self.weight_sharing, bias=self.layout.has_bias)
+        *dense_data(self.layout, inputs, cotangents, weights, repr(self)),
+        self.weight_sharing)
