@@ -49,10 +49,13 @@ mode uses each call's ``λ``.
 
 Everything lives in ``KfacState``; ``init`` and ``update`` are pure and
 trace to one program. ``update`` runs the stages below in turn
-(``statistics``, ``accumulate``, ``refresh``, ``precondition``, ``clip``,
-``guard``); one ``lax.cond`` gates all refreshes and returns only the
-caches, so a step without a refresh moves no covariance through a
-conditional (``cov_every > 1`` adds one around the statistics).
+(``statistics``, ``accumulate``, ``refresh``, ``precondition``,
+``clip``, ``guard``); one ``lax.cond`` gates all
+refreshes and returns only the caches, so a step without a refresh moves
+no covariance through a conditional (``cov_every > 1`` adds one around the
+statistics). The finiteness checks are one reduction per large leaf
+and per group of small ones (``factor.all_finite``); ``guard`` applies the
+clipping scale in the same pass as its selects.
 """
 from __future__ import annotations
 
@@ -64,6 +67,8 @@ import jax.numpy as jnp
 import optax
 
 from kfac_jax_lite.blocks import Stacked
+from kfac_jax_lite import _detection
+from kfac_jax_lite import _packing
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite import tagging
@@ -86,38 +91,6 @@ def float_dtype(tree):
   return jnp.result_type(jnp.float32, *[
       x.dtype for x in jax.tree.leaves(tree)
       if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)])
-
-
-def _signature(tree):
-  leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((tuple(jnp.shape(x)), str(jnp.result_type(x)))
-                        for x in leaves)
-
-
-def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):
-  """``tagging.find_layers`` (the detection, no blocks), once per params
-  and batch structure, shapes and dtypes (a batch whose dtypes change
-  between steps, e.g. BatchNorm statistics that come back float64 under
-  ``jax_enable_x64``, traces differently: it gets its own detection)."""
-  sig = (_signature(params), _signature(example_batch))
-  if sig not in cache:
-    cache[sig] = tagging.find_layers(loss_fn, params, example_batch, **options)
-  return cache[sig]
-
-
-def _check_same_layers(expected, got):
-  """A detection for another batch must give the example batch's blocks
-  (the state holds theirs)."""
-  key = lambda t: [(l.name, l.params, l.spec, l.block, l.row_uses)
-                   for l in t.layers]
-  if key(got) != key(expected):
-    raise ValueError(
-        "kfac: the layers found for this batch differ from those of the "
-        "example batch (its shapes or dtypes make the loss trace "
-        f"differently): {[l.name for l in got.layers]} with blocks "
-        f"{[type(l.block).__name__ for l in got.layers]} vs "
-        f"{[l.name for l in expected.layers]}; pass an example batch like "
-        "the batches you train on")
 
 
 def _per_slice(layer, fn):
@@ -305,26 +278,38 @@ def precondition(layers, states, grad_leaves, damping, precon_power):
   return out
 
 
+def inner_product(updates, grad_leaves, dtype):
+  """``⟨u, g⟩`` over all leaves, in ``dtype`` (the small leaves packed
+  into few kernels, ``_packing``)."""
+  us = _packing.pack([u.astype(dtype) for u in updates])
+  gs = _packing.pack([g.astype(dtype) for g in grad_leaves])
+  return sum((jnp.vdot(u, g) for u, g in zip(us, gs)), jnp.zeros((), dtype))
+
+
 def clip(updates, grad_leaves, norm_constraint, dtype):
-  """KL clipping (Ba et al. 2017): ``u · min(1, √(norm_constraint / ⟨u, g⟩))``
-  (unchanged when ``⟨u, g⟩ ≤ 0`` or ``norm_constraint`` is None)."""
+  """The KL clipping scale (Ba et al. 2017) ``s = min(1, √(norm_constraint
+  / ⟨u, g⟩))``; 1 when ``⟨u, g⟩ ≤ 0`` (or NaN) or ``norm_constraint`` is
+  None. ``s`` is in ``[0, 1]``, so ``s·u`` is finite exactly when ``u``
+  is; ``guard`` applies it."""
   if norm_constraint is None:
-    return updates
-  inner = sum(jnp.vdot(u.astype(dtype), g.astype(dtype))
-              for u, g in zip(updates, grad_leaves))
+    return jnp.ones((), dtype)
+  inner = inner_product(updates, grad_leaves, dtype)
   scale = jnp.where(inner > 0, jnp.sqrt(norm_constraint / jnp.where(
       inner > 0, inner, 1)), 1.0)
-  scale = jnp.minimum(1.0, scale)
-  return [(u * scale).astype(u.dtype) for u in updates]
+  return jnp.minimum(1.0, scale)
 
 
-def guard(updates, grad_leaves, damping_ok):
-  """``(updates, grads_ok, update_ok)``: a zero update for non-finite
-  gradients or a bad damping, the gradient for a non-finite update."""
+def guard(updates, grad_leaves, damping_ok, scale):
+  """``(updates, grads_ok, update_ok)``: ``s·u`` (``s = scale``, from
+  ``clip``), a zero update for non-finite gradients or a bad damping, the
+  gradient for a non-finite update; one elementwise pass per leaf. The
+  verdicts are ``factor.all_finite`` of ``g`` and of ``u`` (that of
+  ``s·u``, as ``s`` is in ``[0, 1]``)."""
   grads_ok = fac.all_finite(grad_leaves)
   update_ok = fac.all_finite(updates)
   good = grads_ok & damping_ok
-  out = [jnp.where(good, jnp.where(update_ok, u, g), jnp.zeros_like(g))
+  out = [jnp.where(good, jnp.where(update_ok, (u * scale).astype(u.dtype), g),
+                   jnp.zeros_like(g))
          for u, g in zip(updates, grad_leaves)]
   return out, grads_ok, update_ok
 
@@ -446,14 +431,14 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     """The layers of ``params``' structure for ``batch`` (None: the
     example batch), with their blocks; the same blocks as for the example
     batch, or an error."""
-    tagged = find_layers_cached(detection_cache, loss_fn, params,
+    tagged = _detection.find_layers_cached(detection_cache, loss_fn, params,
                                 example_batch if batch is None else batch,
                                 has_aux=has_aux, exclude=exclude)
     if tagged not in with_blocks:
       with_blocks[tagged] = tagged.with_blocks(
           blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
     if batch is not None:
-      _check_same_layers(tagged_for(params), with_blocks[tagged])
+      _detection.check_same_layers(tagged_for(params), with_blocks[tagged])
     return with_blocks[tagged]
 
   def init_fn(params):
@@ -512,8 +497,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
                      axis_name=axis_name)
     leaves, treedef = jax.tree.flatten(grads)
     out = precondition(layers, states, leaves, lam, precon_power)
-    out = clip(out, leaves, norm_constraint, dtype)
-    out, grads_ok, update_ok = guard(out, leaves, damping_ok)
+    out, grads_ok, update_ok = guard(
+        out, leaves, damping_ok, clip(out, leaves, norm_constraint, dtype))
     good = grads_ok & damping_ok
     count = lambda x: x.astype(jnp.int32)
     new_state = KfacState(

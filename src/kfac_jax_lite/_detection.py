@@ -1,0 +1,41 @@
+"""The detection cache of ``kfl.kfac``: one ``tagging.find_layers`` per
+params and batch signature (tree structure, shapes and dtypes), and the
+check that a batch's detection gives the example batch's blocks."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_lite import tagging
+
+
+def _signature(tree):
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((tuple(jnp.shape(x)), str(jnp.result_type(x)))
+                        for x in leaves)
+
+
+def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):
+  """``tagging.find_layers`` (the detection, no blocks), once per params
+  and batch structure, shapes and dtypes (a batch whose dtypes change
+  between steps, e.g. BatchNorm statistics that come back float64 under
+  ``jax_enable_x64``, traces differently: it gets its own detection)."""
+  sig = (_signature(params), _signature(example_batch))
+  if sig not in cache:
+    cache[sig] = tagging.find_layers(loss_fn, params, example_batch, **options)
+  return cache[sig]
+
+
+def check_same_layers(expected, got):
+  """A detection for another batch must give the example batch's blocks
+  (the state holds theirs)."""
+  key = lambda t: [(l.name, l.params, l.spec, l.block, l.row_uses)
+                   for l in t.layers]
+  if key(got) != key(expected):
+    raise ValueError(
+        "kfac: the layers found for this batch differ from those of the "
+        "example batch (its shapes or dtypes make the loss trace "
+        f"differently): {[l.name for l in got.layers]} with blocks "
+        f"{[type(l.block).__name__ for l in got.layers]} vs "
+        f"{[l.name for l in expected.layers]}; pass an example batch like "
+        "the batches you train on")
