@@ -12,6 +12,10 @@ with ``T = 10`` it is one step in ten), and the floor that ratio should
 approach according to the FLOP cost model of the design brief
 ("Performance model"; the model is restated below).
 
+Every step is jitted with its carry (parameters and optimizer state)
+donated, as a training loop should be written: without donation XLA
+copies the state buffers the step passes through a ``lax.cond``.
+
 Configurations are timed round-robin (one step of each in turn), so a
 machine whose load drifts during the run slows all of them alike. The
 amortised time adds ``(refresh-every-step row - T=large row) / T`` to the
@@ -76,6 +80,7 @@ values.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import statistics
@@ -223,7 +228,12 @@ class Runner:
 
   def __init__(self, name, step, carry, interval=None, fraction=None,
                style=None):
-    self.name, self.step, self.carry = name, step, carry
+    # The carry is donated (``jax.jit(..., donate_argnums=0)``, as a training
+    # loop should: without it XLA copies every state buffer it passes through
+    # a ``lax.cond``), so every leaf gets its own buffer first (an optimizer
+    # state may hold one array twice) and the caller's arrays stay valid.
+    self.name, self.step = name, step
+    self.carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
     self.interval, self.fraction, self.style = interval, fraction, style
     self.times, self.counts, self.count = [], [], 0
     self.loss = float("nan")
@@ -255,7 +265,7 @@ def make_runners(loss_fn, params, batch, args):
 
   sgd = optax.sgd(args.lr, momentum=0.9)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=0)
   def sgd_step(carry, batch):
     p, s = carry
     loss, g = jax.value_and_grad(loss_fn)(p, batch)
@@ -292,9 +302,11 @@ def make_runners(loss_fn, params, batch, args):
     label = f"K-FAC T={interval} f={frac}"
     state = tx.init(params)
     if interval != 1 or args.refresh_row:
-      runners.append(Runner(label + " 2-pass", jax.jit(two_pass),
+      runners.append(Runner(label + " 2-pass",
+                            jax.jit(two_pass, donate_argnums=0),
                             (params, state), interval, fraction, "2-pass"))
-    runners.append(Runner(label + " 1-pass", jax.jit(one_pass),
+    runners.append(Runner(label + " 1-pass",
+                          jax.jit(one_pass, donate_argnums=0),
                           (params, state, key), interval, fraction, "1-pass"))
   return runners, est_fn
 
