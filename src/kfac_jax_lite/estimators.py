@@ -462,7 +462,8 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
       parameter paths (or patterns) left out of the curvature (their
       gradient passes through).
     weight_sharing: ``"expand"`` or ``"reduce"`` (Eschenhagen et al. 2023)
-      for layers applied over extra axes (sequence positions), as in
+      for layers applied over extra axes (sequence positions, a
+      convolution's output locations), as in
       ``kfl.kfac``; it must match the transform's for the statistics to fit
       its blocks.
     damping_mode: ``"pi"`` or ``"exact"``, as in ``kfl.kfac``: it chooses

@@ -381,9 +381,10 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     exclude: parameter paths (or patterns) left out of the curvature; their
       gradient passes through unchanged.
     weight_sharing: for a layer applied over extra axes (sequence
-      positions): ``"expand"`` (the positions are examples) or ``"reduce"``
-      (inputs averaged and cotangents summed over them first), as in
-      Eschenhagen et al. 2023.
+      positions of a dense layer, output locations of a convolution):
+      ``"expand"`` (the positions are examples; KFC for convolutions) or
+      ``"reduce"`` (inputs averaged and cotangents summed over them first),
+      as in Eschenhagen et al. 2023. ``kfl.describe`` shows each block's.
     axis_name: the ``pmap``/``shard_map`` axis to average the statistics
       over and split the refreshes across; None outside such a map.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
@@ -394,7 +395,11 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
       Gauss–Jordan elimination, XLA matrix products only, ``2n³`` flops),
       ``"cholesky"`` (LAPACK/cuSOLVER ``L Lᵀ``, then ``L⁻ᵀL⁻¹``),
       ``"newton_schulz"`` (``X ← X + X(I − (C + d·I)X)`` from the previous
-      inverse, Gauss–Jordan when that does not converge), ``"eigh"``;
+      inverse, Gauss–Jordan when that does not converge), ``"schur"``
+      (one Schur-complement split of matrices above 512 into two
+      Gauss–Jordan halves and large products: faster than
+      ``"gauss_jordan"`` on CPU at those sizes, and a larger program),
+      ``"eigh"``;
       ``"auto"``: ``"gauss_jordan"`` on CPU, ``"cholesky"`` elsewhere. All
       are exact to rounding (``kfl.factor``). Other powers and
       ``damping_mode="exact"`` use eigendecompositions.
