@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kfac_jax_lite.tagging import _analysis
+from kfac_jax_lite.tagging import _vma
 
 
 class Plan:
@@ -54,7 +55,7 @@ class Plan:
     u = self.uses[uid]
     shape = tuple(n for lk, n in u.levels if lk[:len(key)] == key
                   and len(lk) > len(key)) + tuple(u.capture_aval.shape)
-    return jnp.zeros(shape, u.capture_aval.dtype)
+    return _vma.zeros(shape, u.capture_aval.dtype, u.capture_aval)
 
 
 def _read_capture(spec, read):
