@@ -59,6 +59,9 @@ class Plan:
 
 
 def _read_capture(spec, read):
+  if spec[0] == "iota":  # Ids ``lo, lo + 1, ...`` along ``axis`` of ``shape``.
+    _, lo, shape, axis = spec
+    return lo + lax.broadcasted_iota(jnp.int32, shape, axis)
   if spec[0] == "var":
     x = read(spec[1])
     return jnp.broadcast_to(x, spec[2]) if len(spec) > 2 else x

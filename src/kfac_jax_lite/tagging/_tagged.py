@@ -210,7 +210,8 @@ class TaggedLoss:
                                                 self.leaf_shapes)
     tags = [LossTag(-1 - j, key, eqn.params["distribution"],
                     eqn.params["num_outputs"], tuple(eqn.outvars[0].aval.shape),
-                    eqn.outvars[0].aval.dtype, _vma.aval_vma(eqn.outvars[0].aval))
+                    eqn.outvars[0].aval.dtype,
+                    _vma.aval_vma(eqn.outvars[0].aval))
             for j, (key, eqn) in enumerate(find_loss_tags(closed.jaxpr))]
     return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags,
                   penalties)
