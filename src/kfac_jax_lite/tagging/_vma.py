@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+
 def aval_vma(aval) -> frozenset:
   """The mesh axes an abstract value varies over (empty outside
   ``shard_map(check_vma=True)``)."""
@@ -48,15 +49,13 @@ def abstract(x):
 
 
 def cast(x, axes):
-  """``x`` made to vary over ``axes`` too (``lax.pcast(..., to="varying")``;
-  a no-op for the axes it already varies over, and for no axes)."""
+  """``x`` made to vary over ``axes`` too (``lax.pcast(..., to="varying")``,
+  in jax 0.9.1 and 0.10; a no-op for the axes it already varies over, and
+  for no axes)."""
   missing = frozenset(axes) - vma(x)
   if not missing:
     return x
-  names = tuple(sorted(missing, key=str))
-  if hasattr(lax, "pcast"):
-    return lax.pcast(x, names, to="varying")
-  return lax.pvary(x, names)  # pragma: no cover (jax < 0.9 has no pcast)
+  return lax.pcast(x, tuple(sorted(missing, key=str)), to="varying")
 
 
 def zeros(shape, dtype, aval):
