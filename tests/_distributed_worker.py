@@ -226,15 +226,101 @@ def scenario_pmap(args):
   emit(result)
 
 
+def make_loss_with_fallback(sizes=SIZES):
+  """``make_loss`` with the logits scaled by ``exp(params["temp"])``: a
+  parameter no pattern matches, so it gets a fallback (``NaiveDiagonal``)
+  block, whose statistics need per-example parameter gradients."""
+  import jax.numpy as jnp
+  import kfac_jax_lite as kfl
+
+  def loss_fn(params, batch):
+    h = batch["x"]
+    for i in range(len(sizes) - 1):
+      h = h @ params[f"dense{i}"]["w"] + params[f"dense{i}"]["b"]
+      if i < len(sizes) - 2:
+        h = jnp.tanh(h)
+    h = h * jnp.exp(params["temp"])
+    return kfl.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+  return loss_fn
+
+
+def flat_stats(stats):
+  """``{block/i: leaf}`` of an ``Estimate.stats`` (any block pytrees)."""
+  import jax
+  return {f"{name}/{i}": x for name, s in stats.items()
+          for i, x in enumerate(jax.tree.leaves(s))}
+
+
+def _per_device_grads(loss_fn, params, batch, axis, check_vma):
+  """The device-mean gradient of the per-device losses. With
+  ``check_vma=True``, ``jax.grad`` with respect to the replicated params
+  is already the sum over the devices (the transpose of the ``pvary``
+  that meets them with the sharded batch is a ``psum``), so the gradient
+  is taken at params cast to device-varying: each device's own, as with
+  ``check_vma=False``."""
+  import jax
+  if check_vma:
+    params = jax.lax.pcast(params, axis, to="varying")
+  return jax.lax.pmean(jax.grad(loss_fn)(params, batch), axis)
+
+
+def _one_pass_under_vma(mapped, train, batches):
+  """``kfl.value_grad_and_stats`` (exact estimation) on a model with a
+  fallback block under ``shard_map(check_vma=True)``, and on one device on
+  the whole batch."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+  import kfac_jax_lite as kfl
+  loss_fb = make_loss_with_fallback()
+  params = dict(init_params(),
+                temp=0.1 * jnp.arange(SIZES[-1], dtype=jnp.float32))
+  est_fn = kfl.value_grad_and_stats(loss_fb, params, batches[0],
+                                    estimation="exact")
+  key = jax.random.PRNGKey(0)
+  single = jax.jit(est_fn)(params, batches[0], key)
+
+  def one_pass(params, batch):
+    est = est_fn(params, batch, key)
+    return (jax.lax.pmean(est.loss, "data"), est.grads,
+            jax.lax.pmean(est.stats, "data"))
+  loss, grads, stats = mapped(one_pass, True, (P(), P("data")))(params,
+                                                                batches[0])
+  return dict(vgs_fallbacks=[l.name for l in est_fn.tagged.fallbacks],
+              vgs_single_loss=float(single.loss), vgs_loss=float(loss),
+              vgs_single_grads=tolist(single.grads), vgs_grads=tolist(grads),
+              vgs_single_stats=tolist(flat_stats(single.stats)),
+              vgs_stats=tolist(flat_stats(stats)))
+
+
+def _optimizer_under_vma(mapped, train, batches):
+  """``kfl.kfac_optimizer`` (exact estimation) under
+  ``shard_map(check_vma=True)`` and on one device, ``STEPS`` steps (the
+  5th adapts the damping)."""
+  import kfac_jax_lite as kfl
+  loss_fn = make_loss()
+  kw = dict(estimation="exact", inverse_every=2)
+  opt1 = kfl.kfac_optimizer(loss_fn, batches[0], **kw)
+  opts = kfl.kfac_optimizer(loss_fn, batches[0], axis_name="data", **kw)
+  _, s1, h1 = run_single(loss_fn, init_params(), batches, opt1)
+  ss, hs = train(opts, True)
+  return dict(opt_single_updates=tolist(h1), opt_updates=tolist(hs),
+              opt_single_damping=[float(s1.damping), float(s1.rho)],
+              opt_damping=[float(ss.damping), float(ss.rho)])
+
+
 def scenario_shard_map(args):
   """The same step under ``jax.shard_map`` over a Mesh of 8 (axis "data").
 
   Run with ``check_vma=False``, then with the default ``check_vma=True``:
-  its updates and caches if it runs, else its error (``vma_error``).
+  its updates and caches if it runs, else its error (``vma_error``). Then,
+  with ``check_vma=True`` only: the one-pass ``kfl.value_grad_and_stats``
+  on a model with a fallback block (``vgs_*``), and ``kfl.kfac_optimizer``
+  (``opt_*``), each against one device on the whole batch.
   """
   import jax
   import optax
-  from jax.sharding import Mesh, PartitionSpec as P
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   loss_fn = make_loss()
   params = init_params()
   batches = [make_batch(s) for s in range(STEPS)]
@@ -243,36 +329,49 @@ def scenario_shard_map(args):
   p1, s1, h1 = run_single(loss_fn, params, batches, tx1)
   mesh = Mesh(jax.devices(), ("data",))
 
-  def step(params, state, batch):
-    grads = jax.lax.pmean(jax.grad(loss_fn)(params, batch), "data")
-    updates, state = txs.update(grads, state, params, batch=batch)
-    return optax.apply_updates(params, updates), state, updates
-
-  def mapped(check_vma):
-    return jax.jit(jax.shard_map(step, mesh=mesh,
-                                 in_specs=(P(), P(), P("data")),
+  def mapped(fn, check_vma, in_specs=(P(), P(), P("data"))):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
                                  out_specs=P(), check_vma=check_vma))
-  def train(check_vma):
-    run = mapped(check_vma)
-    state = txs.init(params)
-    ps, hs = params, []
+
+  def train(tx, check_vma):
+    def step(params, state, batch):
+      grads = _per_device_grads(loss_fn, params, batch, "data", check_vma)
+      updates, state = tx.update(grads, state, params, batch=batch)
+      return optax.apply_updates(params, updates), state, updates
+    run = mapped(step, check_vma)
+    # Placed as the step returns them: the second step does not recompile.
+    ps, state = jax.device_put((params, tx.init(params)),
+                               NamedSharding(mesh, P()))
+    hs = []
     for batch in batches:
       ps, state, updates = run(ps, state, batch)
       hs.append(updates)
     return state, hs
 
-  state, hs = train(False)
+  state, hs = train(txs, False)
   result = {"single_updates": tolist(h1), "shard_map_updates": tolist(hs),
             "single_caches": tolist(caches(s1[0])),
             "shard_map_caches": tolist(caches(state[0]))}
   # The default check_vma=True: its results when it traces and runs, else
   # the error.
   try:
-    vma_state, vma_hs = train(True)
+    vma_state, vma_hs = train(txs, True)
     result.update(vma_error=None, vma_updates=tolist(vma_hs),
                   vma_caches=tolist(caches(vma_state[0])))
   except Exception as e:  # noqa: BLE001
     result["vma_error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    emit(result)
+    return
+
+  # Each further check reports its own error (``vgs_error``, ``opt_error``).
+  for label, check in (("vgs", _one_pass_under_vma),
+                       ("opt", _optimizer_under_vma)):
+    try:
+      result.update(check(mapped, train, batches))
+      result[f"{label}_error"] = None
+    except Exception as e:  # noqa: BLE001
+      result[f"{label}_error"] = (f"{type(e).__name__}: "
+                                  f"{str(e).splitlines()[0]}")
   emit(result)
 
 

@@ -165,18 +165,55 @@ def test_shard_map_matches_one_device():
   assert_trees(r["shard_map_caches"], r["single_caches"], **CACHE_TOL)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="bug: shard_map(check_vma=True) fails to trace kfl.kfac: the "
-           "tagged loss is replayed by binding primitives directly, which "
-           "mixes device-varying (batch) and invariant (params) operands")
 def test_shard_map_with_vma_checks_matches_one_device():
   """The default ``check_vma=True``: traces, runs, and gives the same
-  updates and caches as one device on the whole batch."""
+  updates and caches as one device on the whole batch. (The tagged loss
+  is traced with the batch's varying mesh axes, so the ``pvary`` casts
+  JAX inserts are in the jaxpr it replays, and its probes vary like the
+  outputs they are added to.) The step takes the gradient at params cast
+  to device-varying: ``jax.grad`` at the replicated ones is already summed
+  over the devices under ``check_vma=True``."""
   r = run_worker("shard_map")
   assert r["vma_error"] is None, r["vma_error"]
   assert_trees(r["vma_updates"], r["single_updates"], **UPDATE_TOL)
   assert_trees(r["vma_caches"], r["single_caches"], **CACHE_TOL)
+
+
+def test_one_pass_statistics_under_shard_map_with_vma_checks():
+  """``kfl.value_grad_and_stats`` (exact estimation) inside
+  ``shard_map(check_vma=True)`` on a model with a fallback block
+  (``temp``, used through ``exp``): the device mean of the loss and of
+  every block's statistics equals one device on the whole batch. The
+  fallback's statistics need each device's own per-example parameter
+  gradients (not their sum over the devices, which ``jax.vjp`` at the
+  replicated params would give); ``est.grads`` is ``jax.grad``'s under
+  ``check_vma=True``, the sum over the 8 devices of their gradients."""
+  r = run_worker("shard_map")
+  assert r["vma_error"] is None, r["vma_error"]
+  assert r["vgs_error"] is None, r["vgs_error"]
+  assert r["vgs_fallbacks"] == ["temp"]
+  np.testing.assert_allclose(r["vgs_loss"], r["vgs_single_loss"], rtol=1e-6)
+  assert_trees(r["vgs_stats"], r["vgs_single_stats"], **UPDATE_TOL)
+  eight = {k: {p: 8 * np.asarray(x) for p, x in v.items()} if isinstance(
+      v, dict) else 8 * np.asarray(v) for k, v in r["vgs_single_grads"].items()}
+  assert_trees(r["vgs_grads"], eight, **UPDATE_TOL)
+
+
+def test_kfac_optimizer_under_shard_map_with_vma_checks_matches_one_device():
+  """``kfl.kfac_optimizer(..., axis_name="data")`` under
+  ``shard_map(check_vma=True)``, 5 steps (the 5th adapts the damping):
+  its quadratic model and the losses of its reduction ratio are device
+  means, so every step, the damping and ρ equal one device on the whole
+  batch (without the means each device would choose its own α, μ and λ,
+  which ``check_vma`` refuses to return as replicated)."""
+  r = run_worker("shard_map")
+  assert r["vma_error"] is None, r["vma_error"]
+  assert r["opt_error"] is None, r["opt_error"]
+  assert_trees(r["opt_updates"], r["opt_single_updates"], **UPDATE_TOL)
+  np.testing.assert_allclose(r["opt_damping"], r["opt_single_damping"],
+                             rtol=1e-5)
+  # The damping really adapted (step 5) from its initial 0.1.
+  assert r["opt_single_damping"][0] != 0.1
 
 
 # ---------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Kernels reshaped before use keep a Kronecker block over their own axes.
+"""Kernels reshaped before use keep a Kronecker block over their own axes;
+a position table sliced shorter (``x + pos[:t]``) is an embedding.
 
 ``W.reshape(d, heads, head_dim)`` in an einsum (an output axis split),
 ``conv_kernel.reshape(-1, c_out)`` (input axes merged): the block is the
@@ -123,3 +124,65 @@ def test_one_location_conv_equals_dense_with_reshaped_kernel():
                                atol=1e-6, err_msg=name)
     assert np.abs(updates[0][name] - jax.grad(dense_loss)(p, (im, t))[name]
                   ).max() > 1e-3   # Preconditioned, not the gradient.
+
+
+# ------------------------------------------- a position table sliced shorter
+# GPT-style ``x + pos[:t]`` with a table of MAX_LEN > t rows (and an offset
+# window ``pos[2:t+2]``, and the slice taken inside a ``jit``): an embedding
+# over the whole table whose ids are the positions, broadcast over the
+# batch; the rows outside the window get zero statistics.
+MAX_LEN = 7
+
+
+def _slice_net(lo, in_jit=False):
+  def rows(pos, t):
+    return pos[lo:lo + t]
+  rows = jax.jit(rows, static_argnums=1) if in_jit else rows
+
+  def loss(p, x):
+    h = jnp.tanh(x + rows(p["pos"], x.shape[1])) @ p["w"]
+    return 0.5 * jnp.mean(jnp.sum(h ** 2, (1, 2)))
+  return loss
+
+
+@pytest.mark.parametrize("lo,in_jit,dtype", [(0, False, "float32"),
+                                             (2, True, "float64")])
+def test_sliced_position_table_is_an_embedding_of_the_whole_table(
+    lo, in_jit, dtype):
+  with x64_mode(dtype == "float64"):
+    dt = jnp.dtype(dtype)
+    k = jax.random.split(jax.random.key(5), 3)
+    p = {"pos": jax.random.normal(k[0], (MAX_LEN, D), dt),
+         "w": jax.random.normal(k[1], (D, 2), dt) / 2}
+    x = jax.random.normal(k[2], (N, T, D), dt)
+    loss = _slice_net(lo, in_jit)
+    rows = describe(loss, p, x)
+    assert [(r.name, r.kind, r.block, r.params) for r in rows] == [
+        ("pos", "embedding", "KroneckerEmbedding", ("pos",)),
+        ("w", "dense", "KroneckerDense", ("w",))], str(rows)
+    tl = find_layers(loss, p, x)
+    probes = tl.zero_probes(p, x)
+
+    def f(pp, pr):
+      l, _, caps = tl.apply(pp, x, pr)
+      return l, caps
+    @jax.jit
+    def rebuilt(p, probes):
+      l, vjp, caps = jax.vjp(f, p, probes, has_aux=True)
+      _, cts = vjp(jnp.ones_like(l))
+      return tl.per_example_grads(caps, {u: v * N for u, v in cts.items()})
+    per_ex = rebuilt(p, probes)
+    ref = jax.jit(jax.vmap(lambda xi: jax.grad(loss)(p, xi[None])))(x)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    for path in ("pos", "w"):
+      assert per_ex[path].dtype == dt
+      np.testing.assert_allclose(per_ex[path], ref[path], rtol=100 * tol,
+                                 atol=tol, err_msg=path)
+    # The input factor (the ids' diagonal second moment) of the statistics:
+    # 1/T on each of the T looked-up rows, zero on the others.
+    est_fn = kfl.value_grad_and_stats(loss, p, x, estimation="empirical")
+    est = jax.jit(est_fn)(p, x, jax.random.PRNGKey(0))
+    diag = np.zeros(MAX_LEN)
+    diag[lo:lo + T] = 1 / T
+    np.testing.assert_allclose(jax.tree.leaves(est.stats["pos"])[0].ravel(),
+                               diag, rtol=tol)

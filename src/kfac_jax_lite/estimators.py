@@ -271,9 +271,13 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
     outs = tuple(t.split(caps)[0] for t in tagged.losses)
     return (loss, outs), (aux, caps)
 
-  (loss, outs), vjp_fn, (aux, caps) = jax.vjp(f, params, probes, has_aux=True)
+  # Each device's own parameter gradients under shard_map(check_vma=True):
+  # a fallback block needs them per example, not summed over the devices.
+  local = tagged.per_device_params(params, batch)
+  (loss, outs), vjp_fn, (aux, caps) = jax.vjp(f, local, probes, has_aux=True)
   zero_outs = jax.tree.map(jnp.zeros_like, outs)
-  grads, probe_ct = vjp_fn((jnp.ones_like(loss), zero_outs))
+  local_grads, probe_ct = vjp_fn((jnp.ones_like(loss), zero_outs))
+  grads = tagged.summed_over_devices(local_grads, params)
   layer_uids = [u for u in probes if u >= 0]
   has_fallbacks = bool(tagged.fallbacks)
 
@@ -291,7 +295,7 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
     stats = _layer_stats(tagged, caps, cots, c_i, states)
     if has_fallbacks:
       stats.update(_fallback_stats(
-          tagged, jax.tree.map(lambda g: g[None] * math.sqrt(n), grads),
+          tagged, jax.tree.map(lambda g: g[None] * math.sqrt(n), local_grads),
           states))
     return Estimate(loss, aux, grads, stats, c_i)
 

@@ -179,6 +179,11 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
   inner = transform.kfac(loss_fn, example_batch, has_aux=has_aux,
                          damping=initial_damping, **kfac_options)
   omega = damping_decay ** interval
+  axis_name = kfac_options.get("axis_name")
+  # Under ``axis_name`` each device holds a shard of the batch: the quadratic
+  # model and the losses ρ compares are the device means (as the statistics).
+  device_mean = ((lambda x: jax.lax.pmean(x, axis_name)) if axis_name
+                 else (lambda x: x))
 
   def tagged_for(params):
     # The preconditioner's own detection: one trace of loss_fn serves both.
@@ -211,7 +216,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     first = kstate.count == 1
     vel = state.velocity
     dirs = jax.tree.map(lambda a, b: jnp.stack([a, b.astype(a.dtype)]), delta, vel)
-    forms, loss = _curvature_forms(tagged, params, batch, dirs, curvature)
+    forms, loss = device_mean(_curvature_forms(tagged, params, batch, dirs,
+                                               curvature))
     forms = forms.astype(dtype)
     gram = jnp.array([[_tree_dot(delta, delta), _tree_dot(delta, vel)],
                       [_tree_dot(vel, delta), _tree_dot(vel, vel)]], dtype)
@@ -238,7 +244,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
 
     def adapt(operand):
       lam, step = operand
-      new_loss = value(optax.apply_updates(params, step), batch)
+      new_loss = device_mean(value(optax.apply_updates(params, step), batch))
       # ρ = actual / predicted reduction. A step the model predicts no
       # reduction for (a skipped one) leaves λ alone; a non-finite or
       # negative ρ raises it (M&G §6.5), and a non-finite new loss also

@@ -35,7 +35,8 @@ class Use:
   kind: str                 # dense | conv | embedding | scale_and_shift
   roles: dict               # role name -> View (kernel, bias, table, scale, shift)
   capture_key: tuple | None  # equation key where the input is read
-  capture: tuple | None     # ("var", v) | ("mul", a, b): how to read it
+  # How the input is read: ("var", v) | ("mul", a, b) | ("iota", lo, shape, axis)
+  capture: tuple | None
   capture_aval: Any
   probe_key: tuple          # equation whose first output gets the probe
   probe_aval: Any
@@ -224,8 +225,7 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
     if name != "dot_general" and any(isinstance(v, Regrouped) for v in views):
       fn = lambda *_: f"reshaped by `reshape` before `{name}`"
     elif name != "dot_general" and any(isinstance(v, Sliced) for v in views):
-      fn = lambda *_: f"sliced before `{name}` (only a dense kernel and its " \
-          "bias may be used in slices)"
+      fn = self._sliced_rows  # ``x + pos[:t]``, else the reason.
     else:
       fn = None
     fn = fn or {"dot_general": self._dense, "conv_general_dilated": self._conv,

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kfac_jax_lite.tagging import _analysis
+from kfac_jax_lite.tagging import _vma
 
 
 class Plan:
@@ -54,10 +55,13 @@ class Plan:
     u = self.uses[uid]
     shape = tuple(n for lk, n in u.levels if lk[:len(key)] == key
                   and len(lk) > len(key)) + tuple(u.capture_aval.shape)
-    return jnp.zeros(shape, u.capture_aval.dtype)
+    return _vma.zeros(shape, u.capture_aval.dtype, u.capture_aval)
 
 
 def _read_capture(spec, read):
+  if spec[0] == "iota":  # Ids ``lo, lo + 1, ...`` along ``axis`` of ``shape``.
+    _, lo, shape, axis = spec
+    return lo + lax.broadcasted_iota(jnp.int32, shape, axis)
   if spec[0] == "var":
     x = read(spec[1])
     return jnp.broadcast_to(x, spec[2]) if len(spec) > 2 else x

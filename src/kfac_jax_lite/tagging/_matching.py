@@ -6,7 +6,8 @@ a dense or conv output (through layout ops, a sliced kernel's own block of
 a sliced bias, a per-head bias along a ``dot_general`` batch axis), the
 ``add`` that broadcasts a table looked up without an example axis against
 every example, a kernel reshaped by splitting or merging axes
-(``_views.Regrouped``) in a ``dot_general``, and the token that names a
+(``_views.Regrouped``) in a ``dot_general``, the rows of a table sliced and
+added to every example (``x + pos[:t]``), and the token that names a
 layer input (slices of one kernel applied to the same input are one
 layer). ``ViewMatching`` is a mixin of ``_analysis.Analysis``: its
 methods take the walk's context ``ctx`` (the jaxpr, the views of its
@@ -15,6 +16,9 @@ variables, their consumers, the claimed equations).
 from __future__ import annotations
 
 import dataclasses
+
+import jax
+import numpy as np
 
 from kfac_jax_lite.tagging import _views
 from kfac_jax_lite.tagging._views import Sliced, View
@@ -193,6 +197,39 @@ class ViewMatching:
           for k, l in enumerate(labels))
       return (ctx["prefix"] + (j,), out, out_labels,
               tuple(out.shape[k] for k in new))
+
+  def _sliced_rows(self, i, eqn, views, ctx):
+    """``x + pos[lo:hi]``: rows of a 2-D table sliced along its first axis
+    (a position table longer than the sequence) and added to every
+    example, an embedding use whose ids ``lo, ..., hi - 1`` run along the
+    rows' axis, broadcast over the others (the capture ``("iota", lo,
+    shape, axis)``). The block is over the whole table: rows outside the
+    slice get zero statistics. Returns None, or why it is not one."""
+    k = 0 if views[0] is not None else 1
+    sv, out = views[k], eqn.outvars[0]
+    shape = tuple(out.aval.shape)
+    if (eqn.primitive.name != "add" or views[1 - k] is not None
+        or not isinstance(sv, Sliced) or sv.stacked
+        or len(sv.leaf_shape) != 2 or sv.window[1] != (0, sv.leaf_shape[1])
+        or not sv.covers(shape)):
+      return ("sliced before `" + eqn.primitive.name + "` (only a dense "
+              "kernel and its bias, or rows of a 2-D table added to every "
+              "example, may be used in slices)")
+    nonunit = sv.nonunit(shape)
+    if 0 not in nonunit or 1 not in nonunit or len(shape) < 3:
+      return "rows of a table sliced and added without an example axis"
+    f, r = nonunit.index(1), nonunit.index(0)
+    axes = [q for q in range(len(shape)) if q != f]
+    out_labels = tuple(("k", 1) if q == f else ("b", axes.index(q))
+                       for q in range(len(shape)))
+    ids = tuple(shape[q] for q in axes) + (1,)
+    self._record("embedding", {"table": View(sv.leaf, (0, 1), sv.leaf_shape)},
+                 ctx, i, ("iota", sv.window[0][0], ids, axes.index(r)),
+                 jax.core.ShapedArray(ids, np.int32), i, out.aval,
+                 [("b", j) for j in range(len(axes))] + [("iv", 0)],
+                 out_labels, dict(vocab_size=sv.leaf_shape[0],
+                                  dim=sv.leaf_shape[1], id_pos=0))
+    return None
 
   def _broadcast_labels(self, view, shape):
     nonunit = view.nonunit(shape)

@@ -16,6 +16,7 @@ from kfac_jax_lite.tagging import _blocks
 from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
 from kfac_jax_lite.tagging import _layers
+from kfac_jax_lite.tagging import _vma
 
 
 def path_name(path):
@@ -29,10 +30,6 @@ def path_name(path):
     else:
       parts.append(str(k))
   return "/".join(parts) if parts else "params"
-
-
-def _abstract(x):
-  return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
 
 
 def _check_params(params):
@@ -85,6 +82,7 @@ class LossTag:
   num_outputs: int
   values_shape: tuple
   values_dtype: Any
+  values_vma: frozenset = frozenset()  # under shard_map(check_vma=True)
 
   def split(self, captures):
     """``(outputs, targets)``: this loss's captured model outputs and
@@ -196,7 +194,7 @@ class TaggedLoss:
                        f"params structure {self.param_treedef}")
     fn = self.loss_fn
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
-        jax.tree.map(_abstract, params), jax.tree.map(_abstract, batch))
+        jax.tree.map(_vma.abstract, params), jax.tree.map(_vma.abstract, batch))
     if self.has_aux:
       if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2):
         raise ValueError("has_aux=True: loss_fn must return (loss, aux)")
@@ -212,15 +210,18 @@ class TaggedLoss:
                                                 self.leaf_shapes)
     tags = [LossTag(-1 - j, key, eqn.params["distribution"],
                     eqn.params["num_outputs"], tuple(eqn.outvars[0].aval.shape),
-                    eqn.outvars[0].aval.dtype)
+                    eqn.outvars[0].aval.dtype,
+                    _vma.aval_vma(eqn.outvars[0].aval))
             for j, (key, eqn) in enumerate(find_loss_tags(closed.jaxpr))]
     return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags,
                   penalties)
 
   def _checked_trace(self, params, batch):
     tr = self._trace(params, batch)
-    same_losses = [(t.key, t.distribution) for t in tr.losses] == [
-        (t.key, t.distribution) for t in self.losses]
+    # A loss tag is compared by its depth, not its equation index: under
+    # shard_map(check_vma=True) the `pvary` casts shift the indices (``_vma``).
+    same = lambda t: (len(t.key), t.distribution, t.num_outputs)
+    same_losses = list(map(same, tr.losses)) == list(map(same, self.losses))
     for i in self._active if same_losses else [-1]:
       if i < 0 or i >= len(tr.uses) or _signature(tr.uses[i]) != self._signatures[i]:
         raise RuntimeError(
@@ -232,11 +233,39 @@ class TaggedLoss:
   # ------------------------------------------------------------ rewriting
   def zero_probes(self, params, batch):
     tr = self._checked_trace(params, batch)
-    probes = {i: jnp.zeros(F.stacked_shape(tr.uses[i], tr.uses[i].probe_aval),
-                           tr.uses[i].probe_aval.dtype) for i in self._active}
+    # Each probe varies over the mesh axes its output does (``_vma``).
+    probes = {i: _vma.zeros(F.stacked_shape(tr.uses[i], tr.uses[i].probe_aval),
+                            tr.uses[i].probe_aval.dtype, tr.uses[i].probe_aval)
+              for i in self._active}
     for t in tr.losses:
-      probes[t.uid] = jnp.zeros(t.values_shape, t.values_dtype)
+      probes[t.uid] = _vma.cast(jnp.zeros(t.values_shape, t.values_dtype),
+                                t.values_vma)
     return probes
+
+  @staticmethod
+  def per_device_params(params, batch):
+    """``params`` cast to vary over the mesh axes ``batch`` varies over.
+
+    Inside ``shard_map(check_vma=True)`` the gradient with respect to
+    replicated (invariant) params is summed over the devices, since the
+    transpose of the ``pvary`` that meets them with the batch is a
+    ``psum``; with respect to these it is each device's own, as under
+    ``pmap`` or ``check_vma=False`` (where this returns ``params``
+    unchanged). ``summed_over_devices`` turns such gradients back into
+    ``jax.grad``'s."""
+    axes = frozenset().union(*map(_vma.vma, jax.tree.leaves(batch)))
+    return jax.tree.map(lambda p: _vma.cast(p, axes), params)
+
+  @staticmethod
+  def summed_over_devices(grads, params):
+    """Gradients with respect to ``per_device_params(params, ...)`` made
+    ``jax.grad``'s with respect to ``params``: ``psum``-ed over the mesh
+    axes they vary over and ``params`` does not (none outside
+    ``shard_map(check_vma=True)``)."""
+    def total(g, p):
+      axes = tuple(sorted(_vma.vma(g) - _vma.vma(p), key=str))
+      return jax.lax.psum(g, axes) if axes else g
+    return jax.tree.map(total, grads, params)
 
   def apply(self, params, batch, probes):
     """``(loss, aux, captures)``: the loss with ``probes`` added to the

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 
-# Primitives that keep the value (up to dtype) and layout of their operand.
+# Primitives that keep the value (up to dtype) and layout of their operand
+# (``pvary``: the cast of a replicated value to a device-varying one that
+# ``shard_map(check_vma=True)`` inserts, see ``_vma``).
 IDENTITY_PRIMS = frozenset({
     "convert_element_type", "copy", "copy_p", "reduce_precision",
-    "optimization_barrier"})
+    "optimization_barrier", "pvary"})
 LAYOUT_PRIMS = frozenset({"transpose", "reshape", "squeeze",
                           "broadcast_in_dim", "expand_dims"})
 
