@@ -352,3 +352,26 @@ def test_stacked_scan_layers_and_a_flax_model_train():
       p, state, loss = step(p, state)
       losses.append(float(loss))
     assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_state_can_be_donated():
+  # Every leaf of the state has a buffer of its own, so a training step can
+  # donate the state (``donate_argnums``; one array held twice makes XLA
+  # refuse: "Attempt to donate the same buffer twice").
+  params = init_params()
+  for tx in (kfl.kfac(loss_fn, BATCH), kfl.kfac_optimizer(loss_fn, BATCH)):
+    leaves = jax.tree.leaves(tx.init(params))
+    pointers = {x.unsafe_buffer_pointer() for x in leaves}
+    assert len(pointers) == len(leaves)
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH), optax.sgd(0.1, momentum=0.9))
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state):
+    grads = jax.grad(loss_fn)(params, BATCH)
+    updates, state = tx.update(grads, state, params, batch=BATCH)
+    return optax.apply_updates(params, updates), state
+  params = jax.tree.map(jnp.copy, params)
+  state = tx.init(params)
+  for _ in range(2):
+    params, state = step(params, state)
+  assert int(state[0].count) == 2

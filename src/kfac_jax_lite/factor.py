@@ -119,15 +119,19 @@ def init_factor(dim: int, *, diagonal: bool = False, batch_shape=(),
   if cache not in CACHE_KINDS:
     raise ValueError(f"cache must be one of {CACHE_KINDS}, got {cache!r}")
   batch_shape = tuple(batch_shape)
-  vec = jnp.zeros(batch_shape + (dim,), dtype)
-  mat = vec if diagonal else jnp.zeros(batch_shape + (dim, dim), dtype)
-  empty = jnp.zeros(batch_shape + (0,), dtype)
+  # A new buffer per field, never one array twice: a state with a shared
+  # buffer cannot be donated (``jax.jit(step, donate_argnums=...)``).
+  vec = lambda: jnp.zeros(batch_shape + (dim,), dtype)
+  mat = vec if diagonal else (
+      lambda: jnp.zeros(batch_shape + (dim, dim), dtype))
+  empty = lambda: jnp.zeros(batch_shape + (0,), dtype)
   if cache == "eigh":
-    parts = dict(eigvals=vec, eigvecs=empty if diagonal else mat, matpower=empty)
+    parts = dict(eigvals=vec(), eigvecs=empty() if diagonal else mat(),
+                 matpower=empty())
   else:
-    parts = dict(eigvals=empty, eigvecs=empty, matpower=mat)
+    parts = dict(eigvals=empty(), eigvecs=empty(), matpower=mat())
   return FactorState(
-      cov=mat, weight=jnp.zeros((), dtype),
+      cov=mat(), weight=jnp.zeros((), dtype),
       num_skipped=jnp.zeros((), jnp.int32),
       cache=FactorCache(step=jnp.full((), -1, jnp.int32),
                         num_failed=jnp.zeros((), jnp.int32), **parts))

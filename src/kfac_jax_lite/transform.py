@@ -448,13 +448,13 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
 
   def init_fn(params):
     leaves = jax.tree.leaves(params)
-    zero = jnp.zeros((), jnp.int32)
+    zero = lambda: jnp.zeros((), jnp.int32)  # Own buffers: donatable.
     return KfacState(
-        count=zero, key=jax.random.PRNGKey(seed),
+        count=zero(), key=jax.random.PRNGKey(seed),
         blocks={l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))
                 for l in tagged_for(params).layers},
-        num_bad_grads=zero, num_bad_updates=zero, num_bad_damping=zero,
-        num_nonfinite_params=zero)
+        num_bad_grads=zero(), num_bad_updates=zero(), num_bad_damping=zero(),
+        num_nonfinite_params=zero())
 
   def update_fn(grads, state, params=None, *, batch=None, stats=None,
                 damping=None, **extra_args):
