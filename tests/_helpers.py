@@ -159,3 +159,28 @@ def optimized_jit(fn):
           {"xla_backend_optimization_level": 3})
     return compiled[key](*args)
   return call
+
+
+def per_example_and_reference(tl, ref_loss, params, batch):
+  """``(rebuilt, vmap(grad))``: the per-example gradients rebuilt from the
+  captures of ``tl`` (a ``TaggedLoss`` of a mean loss, so ``c_i = 1/N``)
+  and those of ``ref_loss`` on one example at a time; one jitted program
+  (with the suite's cheap compile, cheaper than the eager ops' many small
+  ones). Probe keys below 0 (penalties) carry no layer data and are left
+  out."""
+  n = jax.tree.leaves(batch)[0].shape[0]
+
+  @jax.jit
+  def both(params, batch):
+    def f(p, probes):
+      loss, _, caps = tl.apply(p, batch, probes)
+      return loss, caps
+    loss, vjp, caps = jax.vjp(f, params, tl.zero_probes(params, batch),
+                              has_aux=True)
+    _, cts = vjp(jnp.ones_like(loss))
+    rebuilt = tl.per_example_grads(
+        caps, {k: v * n for k, v in cts.items() if k >= 0})
+    ref = jax.vmap(lambda ex: jax.grad(ref_loss)(
+        params, jax.tree.map(lambda x: x[None], ex)))(batch)
+    return rebuilt, ref
+  return both(params, batch)

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
+import _helpers
 from _helpers import x64_mode
 from kfac_jax_lite.tagging import describe, find_layers
 
@@ -128,21 +129,7 @@ def test_penalty_stays_out_of_the_statistics(dtype):
       for x, y in zip(jax.tree.leaves(a.grads), jax.tree.leaves(want)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-8)
     tl = find_layers(loss, p, batch)
-
-    @jax.jit  # One compile: cheaper than the eager ops' many small ones.
-    def both(p, batch):
-      def f(pp, pr):
-        l, _, caps = tl.apply(pp, batch, pr)
-        return l, caps
-      l, vjp, caps = jax.vjp(f, p, tl.zero_probes(p, batch), has_aux=True)
-      _, cts = vjp(jnp.ones_like(l))
-      n = batch[0].shape[0]
-      per_ex = tl.per_example_grads(caps, {k: v * n for k, v in cts.items()
-                                           if k >= 0})
-      ref = jax.vmap(lambda x, y: jax.grad(model_loss)(
-          p, (x[None], y[None])))(*batch)
-      return per_ex, ref
-    per_ex, ref = both(p, batch)
+    per_ex, ref = _helpers.per_example_and_reference(tl, model_loss, p, batch)
     tol = 1e-5 if dtype == "float32" else 1e-11
     for path in ("w", "b", "v"):
       np.testing.assert_allclose(per_ex[path], ref[path], rtol=tol * 10,

@@ -17,6 +17,7 @@ import pytest
 from jax import lax
 
 import kfac_jax_lite as kfl
+import _helpers
 from _helpers import x64_mode
 from kfac_jax_lite.tagging import describe, find_layers
 
@@ -57,19 +58,7 @@ def test_reshaped_kernels_rebuild_per_example_gradients(dtype):
         ("wo", "dense", "KroneckerDense", ("wo",), ((1, 6, 6), (1, 2, 2))),
         ("wq", "dense", "KroneckerDense", ("wq",), ((1, 6, 6), (1, 6, 6)))], str(rows)
     tl = find_layers(_loss, p, batch)
-
-    @jax.jit  # One compile: cheaper than the eager ops' many small ones.
-    def both(p, batch):
-      def f(pp, pr):
-        l, _, caps = tl.apply(pp, batch, pr)
-        return l, caps
-      l, vjp, caps = jax.vjp(f, p, tl.zero_probes(p, batch), has_aux=True)
-      _, cts = vjp(jnp.ones_like(l))
-      per_ex = tl.per_example_grads(caps, {k: v * N for k, v in cts.items()})
-      ref = jax.vmap(lambda a, b: jax.grad(_loss)(p, (a[None], b[None])))(
-          *batch)
-      return per_ex, ref
-    per_ex, ref = both(p, batch)
+    per_ex, ref = _helpers.per_example_and_reference(tl, _loss, p, batch)
     tol = 1e-5 if dtype == "float32" else 1e-12
     assert set(per_ex) == set(ref)
     for path, g in per_ex.items():
