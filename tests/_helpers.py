@@ -161,6 +161,19 @@ def optimized_jit(fn):
   return call
 
 
+
+def probe(tl, params, batch):
+  """``(loss, param grads, captures, probe cotangents)`` of the rewritten
+  loss of ``tl`` (a ``TaggedLoss``): one forward pass and its vjp. Call it
+  inside a ``jax.jit``."""
+  def f(p, probes):
+    loss, _, caps = tl.apply(p, batch, probes)
+    return loss, caps
+  loss, vjp, caps = jax.vjp(f, params, tl.zero_probes(params, batch),
+                            has_aux=True)
+  grads, cts = vjp(jnp.ones_like(loss))
+  return loss, grads, caps, cts
+
 def per_example_and_reference(tl, ref_loss, params, batch):
   """``(rebuilt, vmap(grad))``: the per-example gradients rebuilt from the
   captures of ``tl`` (a ``TaggedLoss`` of a mean loss, so ``c_i = 1/N``)
@@ -172,12 +185,7 @@ def per_example_and_reference(tl, ref_loss, params, batch):
 
   @jax.jit
   def both(params, batch):
-    def f(p, probes):
-      loss, _, caps = tl.apply(p, batch, probes)
-      return loss, caps
-    loss, vjp, caps = jax.vjp(f, params, tl.zero_probes(params, batch),
-                              has_aux=True)
-    _, cts = vjp(jnp.ones_like(loss))
+    _, _, caps, cts = probe(tl, params, batch)
     rebuilt = tl.per_example_grads(
         caps, {k: v * n for k, v in cts.items() if k >= 0})
     ref = jax.vmap(lambda ex: jax.grad(ref_loss)(

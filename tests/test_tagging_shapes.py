@@ -17,6 +17,7 @@ import pytest
 from jax import lax
 
 import kfac_jax_lite as kfl
+import _helpers
 from _helpers import x64_mode
 from kfac_jax_lite.tagging import describe, find_layers, path_name
 
@@ -30,16 +31,8 @@ def _flat(tree):
 def _probed(loss, params, batch):
   tl = find_layers(loss, params, batch)
 
-  @jax.jit  # One compile: cheaper than the eager ops' many small ones.
-  def run(params, batch):
-    def f(p, pr):
-      l, _, caps = tl.apply(p, batch, pr)
-      return l, caps
-    l, vjp, caps = jax.vjp(f, params, tl.zero_probes(params, batch),
-                           has_aux=True)
-    grads, cts = vjp(jnp.ones_like(l))
-    return l, grads, caps, cts
-  return (tl,) + run(params, batch)
+  # One compile: cheaper than the eager ops' many small ones.
+  return (tl,) + jax.jit(lambda p, b: _helpers.probe(tl, p, b))(params, batch)
 
 
 # ------------------------------------------------------ broadcast parameters
