@@ -412,13 +412,14 @@ def print_compile(runners):
 
 # --------------------------------------------------------------- pieces
 
-def _time_all(pieces, reps):
-  """Median seconds of each ``(name, fn, args, flops)``, round-robin."""
-  for _, fn, args, _ in pieces:
+def median_times(pieces, reps):
+  """Median seconds of each ``(name, fn, args, ...)``, round-robin (a
+  first call of each compiles; ``update_stages.py`` uses it too)."""
+  for _, fn, args, *_ in pieces:
     _block(fn(*args))  # Compile.
   times = [[] for _ in pieces]
   for _ in range(reps):
-    for ts, (_, fn, args, _) in zip(times, pieces):
+    for ts, (_, fn, args, *_) in zip(times, pieces):
       t0 = time.perf_counter()
       _block(fn(*args))
       ts.append(time.perf_counter() - t0)
@@ -495,7 +496,7 @@ def time_pieces(loss_fn, params, batch, other_batch, est_fn, dims, args):
       ("  jnp.linalg.inv", inv, (mats,), cube),
       ("  jnp.linalg.eigh", eigh, (mats,), None),
   ]
-  times = _time_all(pieces, args.piece_reps)
+  times = median_times(pieces, args.piece_reps)
   mm_rate = pieces[0][3] / times[0]
   sgd_t = times[2]
   rate = flops["sgd"] / sgd_t  # The cost model prices every FLOP like SGD's.

@@ -7,7 +7,6 @@ autoencoder's shapes (batch 1000): the 5c05fb3 versions of
 """
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -21,7 +20,9 @@ import kfac_jax_lite as kfl  # noqa: E402
 from kfac_jax_lite import _kron  # noqa: E402
 from kfac_jax_lite import factor as fac  # noqa: E402
 from kfac_jax_lite import transform  # noqa: E402
-from update_stages import AUTOENCODER, QUICK, loss_fn  # noqa: E402
+from step_time import AUTOENCODER, QUICK, make_loss, median_times  # noqa: E402
+
+loss_fn = make_loss("tanh")  # The autoencoder's loss, as step_time.py's.
 
 
 def old_all_finite(tree):
@@ -96,17 +97,12 @@ def main():
     t0 = time.perf_counter()
     c = jax.jit(fn).lower(*a).compile()
     comp.append((c, a, time.perf_counter() - t0, c.as_text().count(" fusion(")))
-  ts = [[] for _ in cases]
-  for _ in range(args.reps):
-    for t, (c, a, _, _) in zip(ts, comp):
-      jax.block_until_ready(c(*a))
-      t0 = time.perf_counter()
-      jax.block_until_ready(c(*a))
-      t.append(time.perf_counter() - t0)
+  medians = median_times([(name, c, a) for (name, _, _), (c, a, _, _) in
+                          zip(cases, comp)], args.reps)
   print(f"model {'-'.join(map(str, dims))}, batch 1000; median of {args.reps}, round-robin")
   print(f"  {'piece':<48}{'ms':>8}{'fusions':>9}{'XLA s':>8}")
-  for (name, _, _), t, (_, _, xla, nf) in zip(cases, ts, comp):
-    print(f"  {name:<48}{1e3 * statistics.median(t):>8.2f}{nf:>9}{xla:>8.2f}")
+  for (name, _, _), t, (_, _, xla, nf) in zip(cases, medians, comp):
+    print(f"  {name:<48}{1e3 * t:>8.2f}{nf:>9}{xla:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import sys
 import time
 
@@ -33,18 +32,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
 import kfac_jax_lite as kfl  # noqa: E402
 from kfac_jax_lite import factor as fac  # noqa: E402
 from kfac_jax_lite import transform  # noqa: E402
+from step_time import AUTOENCODER, QUICK, make_loss, median_times  # noqa: E402
 
-AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
-QUICK = (784, 256, 64, 256, 784)
-
-
-def loss_fn(params, batch):
-  h = batch["x"]
-  for i, layer in enumerate(params):
-    h = h @ layer["w"] + layer["b"]
-    if i < len(params) - 1:
-      h = jnp.tanh(h)
-  return kfl.sigmoid_binary_cross_entropy(h, batch["x"]).sum(-1).mean()
+loss_fn = make_loss("tanh")  # The autoencoder's loss, as step_time.py's.
 
 
 def main(argv=None):
@@ -79,18 +69,12 @@ def main(argv=None):
   lam = jnp.float32(1.0)
   pre = transform.precondition(layers, blocks, leaves, lam, -1.0)
   ok = jnp.asarray(True)
-  if hasattr(transform, "inner_product"):  # This version: clip gives the scale.
-    def clip(u, g):
-      return transform.clip(u, g, 1.0, jnp.float32)
 
-    def guard(u, g):
-      return transform.guard(u, g, ok, clip(u, g))[0]
-  else:  # Before (5c05fb3): clip scales the updates, guard checks them.
-    def clip(u, g):
-      return transform.clip(u, g, 1.0, jnp.float32)
+  def clip(u, g):
+    return transform.clip(u, g, 1.0, jnp.float32)
 
-    def guard(u, g):
-      return transform.guard(clip(u, g), g, ok)[0]
+  def guard(u, g):
+    return transform.guard(u, g, ok, clip(u, g))[0]
 
   def one_pass(p, s, k, b):
     e = est_fn(p, b, k)
@@ -130,17 +114,13 @@ def main(argv=None):
       fname = re.sub(r"\W+", "_", name.strip()).strip("_") + ".hlo.txt"
       with open(os.path.join(args.dump, fname), "w") as f:
         f.write(text)
-  times = [[] for _ in stages]
-  for _ in range(args.reps):
-    for ts, (c, a) in zip(times, compiled):
-      jax.block_until_ready(c(*a))
-      t0 = time.perf_counter()
-      jax.block_until_ready(c(*a))
-      ts.append(time.perf_counter() - t0)
+  medians = (median_times([(row[0], c, a) for row, (c, a) in
+                           zip(rows, compiled)], args.reps)
+             if args.reps else [None] * len(rows))
   print(f"model {'-'.join(map(str, dims))}, batch {args.batch}, jax {jax.__version__}")
   print(f"  {'stage':<34}{'fusions':>8}{'compile s':>10}{'ms':>9}")
-  for (name, nf, xla, _), ts in zip(rows, times):
-    ms = f"{1e3 * statistics.median(ts):>9.2f}" if ts else f"{'-':>9}"
+  for (name, nf, xla, _), t in zip(rows, medians):
+    ms = f"{1e3 * t:>9.2f}" if t is not None else f"{'-':>9}"
     print(f"  {name:<34}{nf:>8}{xla:>10.2f}{ms}")
   for name, _, _, text in rows[-2:]:
     copies = re.findall(r"= (\w+\[[\d,]*\])\S* copy\(", text)

@@ -54,17 +54,22 @@ def init_params(sizes=SIZES):
           for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))}
 
 
-def make_loss(sizes=SIZES):
+def _logits(params, batch, sizes):
   import jax.numpy as jnp
+  h = batch["x"]
+  for i in range(len(sizes) - 1):
+    h = h @ params[f"dense{i}"]["w"] + params[f"dense{i}"]["b"]
+    if i < len(sizes) - 2:
+      h = jnp.tanh(h)
+  return h
+
+
+def make_loss(sizes=SIZES):
   import kfac_jax_lite as kfl
 
   def loss_fn(params, batch):
-    h = batch["x"]
-    for i in range(len(sizes) - 1):
-      h = h @ params[f"dense{i}"]["w"] + params[f"dense{i}"]["b"]
-      if i < len(sizes) - 2:
-        h = jnp.tanh(h)
-    return kfl.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
+    return kfl.softmax_cross_entropy_with_integer_labels(
+        _logits(params, batch, sizes), batch["y"]).mean()
   return loss_fn
 
 
@@ -234,12 +239,7 @@ def make_loss_with_fallback(sizes=SIZES):
   import kfac_jax_lite as kfl
 
   def loss_fn(params, batch):
-    h = batch["x"]
-    for i in range(len(sizes) - 1):
-      h = h @ params[f"dense{i}"]["w"] + params[f"dense{i}"]["b"]
-      if i < len(sizes) - 2:
-        h = jnp.tanh(h)
-    h = h * jnp.exp(params["temp"])
+    h = _logits(params, batch, sizes) * jnp.exp(params["temp"])
     return kfl.softmax_cross_entropy_with_integer_labels(h, batch["y"]).mean()
   return loss_fn
 
