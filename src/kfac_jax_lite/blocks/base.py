@@ -92,6 +92,20 @@ def normalized_weights(weights, n, dtype):
   return c, c / jnp.where(total != 0, total, 1)
 
 
+def gram(x, y):
+  """``Σ_rows xᵀ y`` [k, k] over all leading axes of ``x, y [..., k]``.
+
+  Formed as one 2-D product (``"ni,nj->ij"`` on the flattened rows):
+  contracted over several axes at once (``"snri,snrj->ij"``), XLA:CPU
+  first transposes an operand into a copy, a kernel of its own that also
+  takes in the elementwise work feeding it; on the MNIST autoencoder those
+  copies were 17% of a K-FAC step. In 2-D both operands are read as they
+  are.
+  """
+  return jnp.einsum("ni,nj->ij", x.reshape(-1, x.shape[-1]),
+                    y.reshape(-1, y.shape[-1]))
+
+
 def stats_dtype(*arrays):
   """Statistics are at least float32 (bf16/fp16 activations included)."""
   return jnp.result_type(jnp.float32, *[

@@ -67,17 +67,17 @@ def dense_data(layout, inputs, cotangents, weights, where):
 def input_stats(a, w, weight_sharing):
   """The input factor ``A`` [a, a] from ``a [N, R, a]`` and weights ``w``."""
   if weight_sharing == "expand":
-    return jnp.einsum("nri,nrj->ij", a * w[:, None, None], a) / a.shape[1]
+    return base.gram(a * w[:, None, None], a) / a.shape[1]
   a_bar = a.mean(axis=1)
-  return jnp.einsum("ni,nj->ij", a_bar * w[:, None], a_bar)
+  return base.gram(a_bar * w[:, None], a_bar)
 
 
 def output_stats(g, c, weight_sharing):
   """The output factor ``G`` [b, b] from ``g [S, N, R, b]`` and ``c``."""
   if weight_sharing == "expand":
-    return jnp.einsum("snri,snrj->ij", g * c[:, None, None], g) / g.shape[0]
+    return base.gram(g * c[:, None, None], g) / g.shape[0]
   g_hat = g.sum(axis=2)
-  return jnp.einsum("sni,snj->ij", g_hat * c[:, None], g_hat) / g.shape[0]
+  return base.gram(g_hat * c[:, None], g_hat) / g.shape[0]
 
 
 def kronecker_stats(a, g, c, w, weight_sharing):

@@ -83,5 +83,5 @@ class ScaleAndShift(base.FlatBlock):
     c, _ = base.normalized_weights(weights, u.shape[1], dtype)
     uc = u * c[None, :, None]
     if self.full:
-      return jnp.einsum("sni,snj->ij", uc, u) / u.shape[0]
+      return base.gram(uc, u) / u.shape[0]
     return jnp.einsum("sni,sni->i", uc, u) / u.shape[0]

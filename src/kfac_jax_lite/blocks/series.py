@@ -102,9 +102,8 @@ def lag_stats(x, weights, num_samples=1):
   ``weights [N]``: ``Σ_n weights_n mean_s Σ_r (1/T) Σ_t x_t x_{t+d}ᵀ``."""
   t = x.shape[-2]
   xw = x * weights[:, None, None, None]
-  c0 = jnp.einsum("...nrti,...nrtj->ij", xw, x) / (t * num_samples)
-  c1 = jnp.einsum("...nrti,...nrtj->ij", xw[..., :-1, :], x[..., 1:, :]) / (
-      t * num_samples)
+  c0 = base.gram(xw, x) / (t * num_samples)
+  c1 = base.gram(xw[..., :-1, :], x[..., 1:, :]) / (t * num_samples)
   return c0, c1
 
 
