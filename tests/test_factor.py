@@ -247,6 +247,39 @@ def test_schur_inverse_split_is_the_exact_inverse(x64):
   with pytest.raises(ValueError, match="leaf_size .* at least block_size"):
     _inverse.schur_inverse(jnp.eye(9), leaf_size=4, block_size=8)
 
+_small_gauss_jordan = jax.jit(
+    lambda m: _inverse.gauss_jordan_inverse(m, block_size=8))
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_gauss_jordan_inverse_over_many_blocks_is_exact_and_symmetric(x64):
+  """Eight pivot blocks (the last one padded): the sweep never writes the
+  row blocks and mirrors the result from the upper block triangle, which
+  must give the inverse, exactly symmetric, with forward error below κ·ε
+  on ill-conditioned matrices; an indefinite matrix is not ok."""
+  rng = np.random.default_rng(10)
+  with x64_mode(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    tol = 1e-10 if x64 else 2e-5
+    m = random_psd(rng, 61, batch=(3,)) + 0.1 * np.eye(61)
+    got, ok = _small_gauss_jordan(jnp.asarray(m, dtype))
+    expected = np.linalg.inv(m)
+    assert got.dtype == dtype and bool(ok)
+    np.testing.assert_array_equal(got, np.swapaxes(got, -1, -2))
+    np.testing.assert_allclose(got, expected, rtol=tol,
+                               atol=tol * np.abs(expected).max())
+    cond = 1e8 if x64 else 1e4
+    q, _ = np.linalg.qr(rng.normal(size=(61, 61)))
+    w = np.geomspace(1, 1 / cond, 61)
+    ill = jnp.asarray((q * w) @ q.T, dtype)
+    ref = np.linalg.inv(np.asarray(ill, np.float64))
+    got, ok = _small_gauss_jordan(ill)
+    err = np.linalg.norm(np.asarray(got, np.float64) - ref) / np.linalg.norm(ref)
+    assert bool(ok) and err <= cond * np.finfo(dtype).eps, err
+    bad = (q * np.r_[np.linspace(1, 2, 60), -0.5]) @ q.T
+    assert not bool(_small_gauss_jordan(jnp.asarray(bad, dtype))[1])
+
+
 def _poisoned_gauss_jordan(monkeypatch):
   """Make the Gauss-Jordan path recognisable: it returns 7·(its inverse)."""
   real = _inverse.gauss_jordan_inverse
