@@ -208,3 +208,19 @@ def test_kfac_jax_compare_says_why_it_skips(capsys):
   compare = importlib.import_module("kfac_jax_compare")
   assert compare.main(["--quick"]) is None
   assert "kfac-jax is not importable" in capsys.readouterr().out
+
+
+def test_profile_shares_each_moment_among_the_kernels_running():
+  """``profile_step.kernel_shares``: time when two kernels overlap is split
+  between them; loops and thread-pool events are not kernels."""
+  P = importlib.import_module("profile_step")
+  ev = lambda name, ts, dur: {"ph": "X", "name": name, "ts": ts, "dur": dur}
+  share, busy = P.kernel_shares([
+      ev("ynn_fusion.1", 0, 10), ev("copy.2", 5, 10),  # overlap 5..10
+      ev("while.3", 0, 30), ev("ThunkExecutor::Execute", 0, 30),
+      ev("copy.2", 20, 4), {"ph": "M", "name": "thread_name"}])
+  assert busy == 19
+  assert share == {"ynn_fusion.1": 7.5, "copy.2": 11.5}
+  hlo = '\n  %copy.2 = f32[3,4]{1,0} copy(%p), metadata={op_name="jit(f)/transpose"}\n'
+  assert P.hlo_info(hlo, "copy.2") == ("f32[3,4]{1,0}", "jit(f)/transpose")
+  assert P.hlo_info(hlo, "copy.9") == ("?", "")

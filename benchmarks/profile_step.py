@@ -1,0 +1,166 @@
+"""Where a K-FAC step's time goes, kernel by kernel, from a JAX profile.
+
+    python benchmarks/profile_step.py                  # one-pass step, no refresh
+    python benchmarks/profile_step.py --refresh        # a step that refreshes
+    python benchmarks/profile_step.py --style sgd      # SGD's step, for reference
+    python benchmarks/profile_step.py --quick          # 784-256-64-256-784
+
+The MNIST autoencoder's step (``step_time.py``'s loss and settings, batch
+1000, random inputs: time does not depend on the values) is jitted with
+its carry donated, run past its warm-up refreshes and then traced with
+``jax.profiler.trace`` for ``--steps`` steps. XLA:CPU runs independent
+kernels at the same time on its threads, so a kernel's wall time overstates
+its cost; each moment of the trace is therefore shared out equally among
+the kernels running then (loops and conditionals, which contain kernels,
+are left out). The first table sums those shares by kind of kernel
+(``ynn_fusion``: matrix products; ``copy_*``: layout changes), the second
+lists the costliest kernels with their shape and the JAX operation they
+came from (from the optimised HLO). ``busy`` is the time in which any
+kernel runs; the step's wall time adds the gaps between kernels.
+
+This is how the covariances' operand transposes were found (17% of the
+one-pass step, ``blocks/base.gram``) and the Gauss-Jordan sweep's copy
+of the matrix per step (``_inverse``).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                os.pardir, "src"))
+import kfac_jax_lite as kfl  # noqa: E402
+from step_time import AUTOENCODER, QUICK, make_loss  # noqa: E402
+
+# Trace events that are not kernels, or contain kernels.
+NOT_KERNELS = ("while", "cond", "ThunkExecutor", "$", "PjitFunction",
+               "SlinkyThreadPool", "Common", "end:", "Parse", "Handle")
+
+
+def make_step(style, loss_fn, params, batch, refresh, fraction):
+  """The jitted, donated step and its carry."""
+  if style == "sgd":
+    tx = optax.sgd(0.01, momentum=0.9)
+  else:
+    tx = optax.chain(kfl.kfac(loss_fn, batch, damping=1.0,
+                              inverse_every=1 if refresh else 1 << 20,
+                              stats_fraction=fraction),
+                     optax.sgd(0.01, momentum=0.9))
+  est_fn = kfl.value_grad_and_stats(loss_fn, params, batch,
+                                    stats_fraction=fraction)
+
+  def step(carry, batch):
+    p, s, key = carry
+    key, sub = jax.random.split(key)
+    if style == "1-pass":
+      est = est_fn(p, batch, sub)
+      loss, (u, s) = est.loss, tx.update(est.grads, s, p, stats=est.stats)
+    else:
+      loss, g = jax.value_and_grad(loss_fn)(p, batch)
+      u, s = (tx.update(g, s, p) if style == "sgd"
+              else tx.update(g, s, p, batch=batch))
+    return (optax.apply_updates(p, u), s, key), loss
+
+  carry = jax.tree.map(lambda x: jnp.array(x, copy=True),
+                       (params, tx.init(params), jax.random.PRNGKey(0)))
+  return jax.jit(step, donate_argnums=0), carry
+
+
+def kernel_shares(events):
+  """``{kernel name: µs}``: each moment shared equally among the kernels
+  running then."""
+  edges = []
+  for e in events:
+    if (e.get("ph") == "X" and e.get("dur", 0) > 0
+        and not e["name"].startswith(NOT_KERNELS)):
+      edges += [(e["ts"], 1, e["name"]), (e["ts"] + e["dur"], -1, e["name"])]
+  edges.sort(key=lambda x: (x[0], x[1]))
+  share, active, last, busy = collections.Counter(), collections.Counter(), None, 0.0
+  for t, d, name in edges:
+    if last is not None and active:
+      k, dt = sum(active.values()), t - last
+      busy += dt
+      for n, c in active.items():
+        share[n] += dt * c / k
+    active[name] += d
+    if not active[name]:
+      del active[name]
+    last = t
+  return share, busy
+
+
+def hlo_info(hlo_text, name):
+  """``(shape, op_name)`` of the instruction ``name`` in the HLO."""
+  line = re.search(r"\n\s*%" + re.escape(name) + r" = (\S+) [^\n]*", hlo_text)
+  if not line:
+    return "?", ""
+  op = re.search(r'op_name="([^"]*)"', line.group(0))
+  return line.group(1), op.group(1) if op else ""
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("--style", choices=("1-pass", "2-pass", "sgd"), default="1-pass")
+  p.add_argument("--refresh", action="store_true",
+                 help="refresh the inverses every step (inverse_every=1)")
+  p.add_argument("--fraction", type=float, default=1.0,
+                 help="stats_fraction (statistics on that share of the batch)")
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--batch", type=int, default=1000)
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--top", type=int, default=25)
+  args = p.parse_args(argv)
+  dims = QUICK if args.quick else AUTOENCODER
+  rng = np.random.default_rng(0)
+  params = [{"w": jnp.asarray(rng.normal(size=(i, o)) / np.sqrt(i), jnp.float32),
+             "b": jnp.zeros((o,), jnp.float32)} for i, o in zip(dims[:-1], dims[1:])]
+  batch = {"x": jnp.asarray(rng.uniform(size=(args.batch, dims[0])), jnp.float32)}
+  loss_fn = make_loss("tanh")
+  step, carry = make_step(args.style, loss_fn, params, batch, args.refresh,
+                          args.fraction)
+  hlo = step.lower(carry, batch).compile().as_text()
+  for _ in range(20):  # Past the young refreshes (steps 1, 2, 4, 8, 16).
+    carry, loss = step(carry, batch)
+  jax.block_until_ready(loss)
+  with tempfile.TemporaryDirectory() as out:
+    with jax.profiler.trace(out, create_perfetto_trace=True):
+      for _ in range(args.steps):
+        carry, loss = step(carry, batch)
+        jax.block_until_ready((carry, loss))
+    path, = glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"),
+                      recursive=True)
+    with gzip.open(path) as f:
+      events = json.load(f)["traceEvents"]
+  share, busy = kernel_shares(events)
+  ms = lambda us: us / args.steps / 1000
+  print(f"model {'-'.join(map(str, dims))}, batch {args.batch}, style "
+        f"{args.style}{', refresh every step' if args.refresh else ''}"
+        f"{f', stats_fraction {args.fraction:g}' if args.fraction != 1 else ''}; "
+        f"jax {jax.__version__}; {args.steps} traced steps")
+  print(f"busy (some kernel running): {ms(busy):.1f} ms per step")
+  kinds = collections.Counter()
+  for name, us in share.items():
+    kinds[re.sub(r"\.\d+$", "", name)] += us
+  print(f"\n  {'kind of kernel':45s} {'ms/step':>8s} {'share':>6s}")
+  for kind, us in kinds.most_common(args.top):
+    print(f"  {kind:45s} {ms(us):8.2f} {us / busy:6.1%}")
+  print(f"\n  {'kernel':40s} {'ms/step':>8s}  {'shape':28s} from")
+  for name, us in share.most_common(args.top):
+    shape, op = hlo_info(hlo, name)
+    print(f"  {name:40s} {ms(us):8.2f}  {shape[:28]:28s} {op[:60]}")
+
+
+if __name__ == "__main__":
+  main()
