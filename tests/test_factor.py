@@ -280,6 +280,22 @@ def test_gauss_jordan_inverse_over_many_blocks_is_exact_and_symmetric(x64):
     assert not bool(_small_gauss_jordan(jnp.asarray(bad, dtype))[1])
 
 
+def test_inverses_of_device_varying_factors_under_shard_map():
+  """Inside ``shard_map(check_vma=True)`` a factor that differs per device
+  (one model per device) is inverted with the loops' carries varying like
+  it (an invariant initial pivot bound would not match)."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  m = random_psd(np.random.default_rng(11), 70, batch=(1,)) + 0.1 * np.eye(70)
+  for method in ("gauss_jordan", "schur"):
+    fn = jax.shard_map(
+        lambda c: fac.damped_matpower(kfl.update_cov(fac.init_factor(70), c[0], 0.5),
+                                      0.0, -1.0, method=method)[None],
+        mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=True)
+    np.testing.assert_allclose(jax.jit(fn)(jnp.asarray(m, jnp.float32))[0],
+                               np.linalg.inv(m[0]), rtol=1e-3, atol=1e-4)
+
+
 def _poisoned_gauss_jordan(monkeypatch):
   """Make the Gauss-Jordan path recognisable: it returns 7·(its inverse)."""
   real = _inverse.gauss_jordan_inverse

@@ -305,6 +305,35 @@ def test_bad_arguments_are_named():
               batch=(BATCH["x"], BATCH["y"]))
 
 
+def test_shard_map_without_axis_name_is_named():
+  """Under ``shard_map(check_vma=True)`` a sharded batch with replicated
+  parameters needs ``axis_name`` (else every device keeps its own
+  curvature): a clear error, for ``batch=`` and ``stats=``; none with it."""
+  from jax.sharding import Mesh, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  params = init_params()
+  est_fn = kfl.value_grad_and_stats(loss_fn, params, BATCH)
+
+  def trace(axis_name, one_pass):
+    tx = kfl.kfac(loss_fn, BATCH, axis_name=axis_name)
+
+    def step(params, state, batch):
+      if one_pass:
+        est = est_fn(params, batch, jax.random.PRNGKey(0))
+        return tx.update(est.grads, state, params, stats=est.stats)
+      return tx.update(jax.grad(loss_fn)(params, batch), state, params,
+                       batch=batch)
+
+    mapped = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")),
+                           out_specs=(P(), P()), check_vma=True)
+    return jax.eval_shape(mapped, params, tx.init(params), BATCH)
+
+  for one_pass in (False, True):
+    with pytest.raises(ValueError, match="no axis_name.*axis_name='data'"):
+      trace(None, one_pass)
+    trace("data", one_pass)
+
+
 def test_stacked_scan_layers_and_a_flax_model_train():
   import flax.linen as nn
 

@@ -94,7 +94,7 @@ def _leaf_inverse(p):
     a = a - factor[..., :, None] * row[..., None, :]
     return a, jnp.minimum(low, jnp.min(pivot))
 
-  init = (p, jnp.asarray(jnp.inf, p.dtype))
+  init = (p, jnp.full_like(p, jnp.inf, shape=()))  # With p's vma (shard_map).
   return lax.fori_loop(0, n, step, init)
 
 
@@ -135,7 +135,7 @@ def _negated_gauss_jordan(m, block_size):
     a = lax.dynamic_update_slice_in_dim(a, w, start, axis=-1)
     return a, jnp.minimum(low, pivot_low)
 
-  init = (a, jnp.asarray(jnp.inf, m.dtype))
+  init = (a, jnp.full_like(m, jnp.inf, shape=()))
   a, low = lax.fori_loop(0, size // block_size, sweep, init)
   # Kept: the upper block triangle, and the upper triangle of each diagonal
   # block (whose two halves agree only up to rounding): exactly symmetric.

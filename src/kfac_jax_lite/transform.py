@@ -68,10 +68,11 @@ import optax
 
 from kfac_jax_lite.blocks import Stacked
 from kfac_jax_lite import _detection
-from kfac_jax_lite import _packing
+from kfac_jax_lite import _safeguards
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite import tagging
+from kfac_jax_lite._safeguards import clip, guard, inner_product  # noqa: F401
 
 
 class KfacState(NamedTuple):
@@ -155,6 +156,23 @@ def _owner_mask(index, axis_name):
   """On device ``index mod n`` under ``axis_name``: True; else False."""
   n = jax.lax.psum(1, axis_name)
   return jax.lax.axis_index(axis_name) == index % n
+
+
+def _check_axis_name(axis_name, params, data):
+  """Inside ``shard_map(check_vma=True)``: statistics that vary over mesh
+  axes the parameters do not (a sharded batch, replicated parameters) must
+  be averaged over them, which needs ``axis_name``."""
+  if axis_name is not None:
+    return
+  missing = tagging.varying_axes(data) - tagging.varying_axes(params)
+  if missing:
+    axes = tuple(sorted(missing, key=str))
+    raise ValueError(
+        f"kfac: the batch/statistics vary over the mesh axes {axes} (inside "
+        "shard_map) and the parameters do not, but kfac has no axis_name: "
+        "each device would keep its own curvature and the replicas would "
+        f"drift apart. Pass kfl.kfac(..., axis_name={axes[0]!r}) (the data "
+        "axis), as under pmap")
 
 
 def _check_damping(damping, where="kfac"):
@@ -276,42 +294,6 @@ def precondition(layers, states, grad_leaves, damping, precon_power):
     for i, x in zip(l.leaves, u):
       out[i] = x.reshape(grad_leaves[i].shape).astype(grad_leaves[i].dtype)
   return out
-
-
-def inner_product(updates, grad_leaves, dtype):
-  """``⟨u, g⟩`` over all leaves, in ``dtype`` (the small leaves packed
-  into few kernels, ``_packing``)."""
-  us = _packing.pack([u.astype(dtype) for u in updates])
-  gs = _packing.pack([g.astype(dtype) for g in grad_leaves])
-  return sum((jnp.vdot(u, g) for u, g in zip(us, gs)), jnp.zeros((), dtype))
-
-
-def clip(updates, grad_leaves, norm_constraint, dtype):
-  """The KL clipping scale (Ba et al. 2017) ``s = min(1, √(norm_constraint
-  / ⟨u, g⟩))``; 1 when ``⟨u, g⟩ ≤ 0`` (or NaN) or ``norm_constraint`` is
-  None. ``s`` is in ``[0, 1]``, so ``s·u`` is finite exactly when ``u``
-  is; ``guard`` applies it."""
-  if norm_constraint is None:
-    return jnp.ones((), dtype)
-  inner = inner_product(updates, grad_leaves, dtype)
-  scale = jnp.where(inner > 0, jnp.sqrt(norm_constraint / jnp.where(
-      inner > 0, inner, 1)), 1.0)
-  return jnp.minimum(1.0, scale)
-
-
-def guard(updates, grad_leaves, damping_ok, scale):
-  """``(updates, grads_ok, update_ok)``: ``s·u`` (``s = scale``, from
-  ``clip``), a zero update for non-finite gradients or a bad damping, the
-  gradient for a non-finite update; one elementwise pass per leaf. The
-  verdicts are ``factor.all_finite`` of ``g`` and of ``u`` (that of
-  ``s·u``, as ``s`` is in ``[0, 1]``)."""
-  grads_ok = fac.all_finite(grad_leaves)
-  update_ok = fac.all_finite(updates)
-  good = grads_ok & damping_ok
-  out = [jnp.where(good, jnp.where(update_ok, (u * scale).astype(u.dtype), g),
-                   jnp.zeros_like(g))
-         for u, g in zip(updates, grad_leaves)]
-  return out, grads_ok, update_ok
 
 
 DEFAULT_DAMPING = 1e-3
@@ -472,6 +454,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
       tagged = tagged_for(params, batch)
       if stats is None:
         estimators.stats_batch_size(batch, stats_fraction, "kfac.update")
+    _check_axis_name(axis_name, params, stats if stats is not None else batch)
     layers = tagged.layers
     key, stats_key = jax.random.split(state.key)
     if axis_name is not None:  # Independent samples on every device.

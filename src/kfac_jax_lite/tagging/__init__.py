@@ -123,7 +123,8 @@ from kfac_jax_lite.tagging._describe import Row, Table, describe
 from kfac_jax_lite.tagging._layers import Layer
 from kfac_jax_lite.tagging._tagged import (
     LossTag, TaggedLoss, batch_size, find_layers, find_loss_tags, path_name)
+from kfac_jax_lite.tagging._vma import tree_vma as varying_axes
 
 __all__ = ["Layer", "LossTag", "Row", "Table", "TaggedLoss", "batch_size",
            "describe", "find_layers", "find_loss_tags", "make_blocks",
-           "path_name"]
+           "path_name", "varying_axes"]

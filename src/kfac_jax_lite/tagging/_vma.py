@@ -40,6 +40,11 @@ def vma(x) -> frozenset:
   return aval_vma(jax.typeof(x))
 
 
+def tree_vma(tree) -> frozenset:
+  """The mesh axes any leaf of ``tree`` varies over."""
+  return frozenset().union(*(vma(x) for x in jax.tree.leaves(tree)))
+
+
 def abstract(x):
   """The abstract value ``loss_fn`` is traced at: shape and dtype, and
   the vma of a traced ``x`` varying over manual mesh axes."""
