@@ -353,12 +353,15 @@ def refresh_cache(state: FactorState, step, *, damping=None, exp=-1.0,
       ok = jnp.asarray(True)
     elif _is_minus_one(exp):
       warm = jnp.where(old.step >= 0, old.matpower, jnp.zeros_like(old.matpower))
+      # Every method's ok includes the inverse being finite: no second pass.
       power, ok = _damped_inverse(c, damping, method, warm)
     else:
       power = _power_from_eigh(*eigh(c), damping, exp)
       ok = jnp.asarray(True)
     new = old._replace(matpower=power)
-  ok = ok & all_finite((new.eigvals, new.eigvecs, new.matpower))
+  if not (cache_kind(state) == "power" and not is_diagonal(state)
+          and _is_minus_one(exp)):
+    ok = ok & all_finite((new.eigvals, new.eigvecs, new.matpower))
   keep = lambda n, o: jnp.where(ok, n, o)
   return state._replace(cache=FactorCache(
       eigvals=keep(new.eigvals, old.eigvals),
