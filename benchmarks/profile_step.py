@@ -36,13 +36,12 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 os.pardir, "src"))
 import kfac_jax_lite as kfl  # noqa: E402
-from step_time import AUTOENCODER, QUICK, make_loss  # noqa: E402
+from step_time import AUTOENCODER, QUICK, make_loss, random_problem  # noqa: E402
 
 # Trace events that are not kernels, or contain kernels.
 NOT_KERNELS = ("while", "cond", "ThunkExecutor", "$", "PjitFunction",
@@ -123,10 +122,7 @@ def main(argv=None):
   p.add_argument("--top", type=int, default=25)
   args = p.parse_args(argv)
   dims = QUICK if args.quick else AUTOENCODER
-  rng = np.random.default_rng(0)
-  params = [{"w": jnp.asarray(rng.normal(size=(i, o)) / np.sqrt(i), jnp.float32),
-             "b": jnp.zeros((o,), jnp.float32)} for i, o in zip(dims[:-1], dims[1:])]
-  batch = {"x": jnp.asarray(rng.uniform(size=(args.batch, dims[0])), jnp.float32)}
+  params, batch = random_problem(dims, args.batch)
   loss_fn = make_loss("tanh")
   step, carry = make_step(args.style, loss_fn, params, batch, args.refresh,
                           args.fraction)

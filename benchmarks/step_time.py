@@ -153,6 +153,15 @@ def init_params(dims, key):
   return params
 
 
+def random_problem(dims, batch_size, seed=0):
+  """``(params, batch)``: ``init_params`` and uniform inputs ``[batch_size,
+  dims[0]]`` (step time does not depend on the values; the profiling and
+  stage scripts use it)."""
+  k_params, k_x = jax.random.split(jax.random.PRNGKey(seed))
+  return init_params(dims, k_params), {
+      "x": jax.random.uniform(k_x, (batch_size, dims[0]), jnp.float32)}
+
+
 def make_loss(activation):
   act = {"tanh": jnp.tanh, "relu": jax.nn.relu}[activation]
 
@@ -375,7 +384,7 @@ def print_table(runners, dims, m, args):
 def print_summary(runners, dims, m, extra):
   """The issue-13 goals: amortised T=10 ratios and the compile ratio."""
   sgd = runners[0]
-  print(f"Summary (T=10, amortised; goals of issue 13):")
+  print("Summary (T=10, amortised; goals of issue 13):")
   for style, fraction, goal in (("1-pass", 1.0, "1-pass"),
                                 ("2-pass", 1.0, "2-pass"),
                                 ("2-pass", 1 / 8, "2-pass 1/8")):

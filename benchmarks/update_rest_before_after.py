@@ -12,7 +12,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                 os.pardir, "src"))
@@ -20,7 +19,8 @@ import kfac_jax_lite as kfl  # noqa: E402
 from kfac_jax_lite import _kron  # noqa: E402
 from kfac_jax_lite import factor as fac  # noqa: E402
 from kfac_jax_lite import transform  # noqa: E402
-from step_time import AUTOENCODER, QUICK, make_loss, median_times  # noqa: E402
+from step_time import (  # noqa: E402
+    AUTOENCODER, QUICK, make_loss, median_times, random_problem)
 
 loss_fn = make_loss("tanh")  # The autoencoder's loss, as step_time.py's.
 
@@ -77,10 +77,7 @@ def main():
   p.add_argument("--reps", type=int, default=15)
   args = p.parse_args()
   dims = QUICK if args.quick else AUTOENCODER
-  rng = np.random.default_rng(0)
-  params = [{"w": jnp.asarray(rng.normal(size=(i, o)) / np.sqrt(i), jnp.float32),
-             "b": jnp.zeros((o,), jnp.float32)} for i, o in zip(dims[:-1], dims[1:])]
-  batch = {"x": jnp.asarray(rng.uniform(size=(1000, dims[0])), jnp.float32)}
+  params, batch = random_problem(dims, 1000)
   est = jax.jit(kfl.value_grad_and_stats(loss_fn, params, batch))(
       params, batch, jax.random.PRNGKey(0))
   kfac = kfl.kfac(loss_fn, batch)

@@ -24,7 +24,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -32,7 +31,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
 import kfac_jax_lite as kfl  # noqa: E402
 from kfac_jax_lite import factor as fac  # noqa: E402
 from kfac_jax_lite import transform  # noqa: E402
-from step_time import AUTOENCODER, QUICK, make_loss, median_times  # noqa: E402
+from step_time import (  # noqa: E402
+    AUTOENCODER, QUICK, make_loss, median_times, random_problem)
 
 loss_fn = make_loss("tanh")  # The autoencoder's loss, as step_time.py's.
 
@@ -49,10 +49,7 @@ def main(argv=None):
                  help="run only the stages whose name contains this")
   args = p.parse_args(argv)
   dims = QUICK if args.quick else AUTOENCODER
-  rng = np.random.default_rng(0)
-  params = [{"w": jnp.asarray(rng.normal(size=(i, o)) / np.sqrt(i), jnp.float32),
-             "b": jnp.zeros((o,), jnp.float32)} for i, o in zip(dims[:-1], dims[1:])]
-  batch = {"x": jnp.asarray(rng.uniform(size=(args.batch, dims[0])), jnp.float32)}
+  params, batch = random_problem(dims, args.batch)
   key = jax.random.PRNGKey(0)
   est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
   kfac = kfl.kfac(loss_fn, batch, damping=1.0, inverse_every=10)
