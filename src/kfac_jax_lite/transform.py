@@ -68,7 +68,6 @@ import optax
 
 from kfac_jax_lite.blocks import Stacked
 from kfac_jax_lite import _detection
-from kfac_jax_lite import _safeguards
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite import tagging
