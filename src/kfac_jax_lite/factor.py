@@ -337,31 +337,29 @@ def refresh_cache(state: FactorState, step, *, damping=None, exp=-1.0,
   method = check_inverse_method(method)
   c = factor_value(state)
   old = state.cache
+  # ok: the decomposition is usable (finite; for a damped inverse, every
+  # method's ok already says so, and no second pass over it is made).
   if cache_kind(state) == "eigh":
     if is_diagonal(state):
       new = old._replace(eigvals=jnp.maximum(c, 0))
     else:
       w, q = eigh(c)
       new = old._replace(eigvals=w, eigvecs=q)
-    ok = jnp.asarray(True)
+    ok = all_finite((new.eigvals, new.eigvecs))
   else:
     if damping is None:
       raise ValueError("refresh_cache: this factor caches a damped power "
                        "(init_factor(cache='power')), so damping= is needed")
     if is_diagonal(state):
       power = (jnp.maximum(c, 0) + _damping_array(damping, c.dtype)[..., 0]) ** exp
-      ok = jnp.asarray(True)
+      ok = all_finite(power)
     elif _is_minus_one(exp):
       warm = jnp.where(old.step >= 0, old.matpower, jnp.zeros_like(old.matpower))
-      # Every method's ok includes the inverse being finite: no second pass.
       power, ok = _damped_inverse(c, damping, method, warm)
     else:
       power = _power_from_eigh(*eigh(c), damping, exp)
-      ok = jnp.asarray(True)
+      ok = all_finite(power)
     new = old._replace(matpower=power)
-  if not (cache_kind(state) == "power" and not is_diagonal(state)
-          and _is_minus_one(exp)):
-    ok = ok & all_finite((new.eigvals, new.eigvecs, new.matpower))
   keep = lambda n, o: jnp.where(ok, n, o)
   return state._replace(cache=FactorCache(
       eigvals=keep(new.eigvals, old.eigvals),

@@ -49,12 +49,12 @@ mode uses each call's ``λ``.
 
 Everything lives in ``KfacState``; ``init`` and ``update`` are pure and
 trace to one program. ``update`` runs the stages below in turn
-(``statistics``, ``accumulate``, ``refresh``, ``precondition``,
-``clip``, ``guard``); one ``lax.cond`` gates all
+(``statistics``, ``accumulate``, ``refresh``, ``precondition``, then
+``_safeguards``' ``clip`` and ``guard``); one ``lax.cond`` gates all
 refreshes and returns only the caches, so a step without a refresh moves
 no covariance through a conditional (``cov_every > 1`` adds one around the
-statistics). The finiteness checks are one reduction per large leaf
-and per group of small ones (``factor.all_finite``); ``guard`` applies the
+statistics). The finiteness checks are one reduction per large leaf and
+per group of small ones (``factor.all_finite``); ``guard`` applies the
 clipping scale in the same pass as its selects.
 """
 from __future__ import annotations
@@ -417,9 +417,10 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     """The layers of ``params``' structure for ``batch`` (None: the
     example batch), with their blocks; the same blocks as for the example
     batch, or an error."""
-    tagged = _detection.find_layers_cached(detection_cache, loss_fn, params,
-                                example_batch if batch is None else batch,
-                                has_aux=has_aux, exclude=exclude)
+    tagged = _detection.find_layers_cached(
+        detection_cache, loss_fn, params,
+        example_batch if batch is None else batch,
+        has_aux=has_aux, exclude=exclude)
     if tagged not in with_blocks:
       with_blocks[tagged] = tagged.with_blocks(
           blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
