@@ -220,6 +220,12 @@ def test_bad_shapes_name_the_block_and_both_shapes():
   conv = B.KroneckerConv((3, 3, 2, 4), dimension_numbers=("NHWC", "HWIO", "NHWC"))
   with pytest.raises(ValueError, match=r"KroneckerConv.*\(1, 5, 5, 3\).*3 channels.*2"):
     conv.compute_stats(jnp.ones((1, 5, 5, 3)), jnp.ones((1, 3, 3, 4)))
+  # A kernel applied twice per example (siamese) in a block built without
+  # repeats: the weights are per example, the applications twice as many.
+  with pytest.raises(ValueError, match=r"KroneckerConv.*weights of shape "
+                     r"\(3,\).*batch of 6.*repeats=2"):
+    conv.compute_stats(jnp.ones((6, 5, 5, 2)), jnp.ones((6, 3, 3, 4)),
+                       weights=jnp.ones(3))
   emb = B.KroneckerEmbedding(5, 2)
   with pytest.raises(ValueError, match=r"KroneckerEmbedding.*integers"):
     emb.compute_stats(jnp.ones((3,)), jnp.ones((3, 2)))

@@ -82,12 +82,16 @@ def state_bytes(block) -> int:
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
-def normalized_weights(weights, n, dtype):
-  """``(c, w)``: loss coefficients ``c_i`` (default 1/N) and ``w = c / Σc``."""
+def normalized_weights(weights, n, dtype, where="", hint=""):
+  """``(c, w)``: loss coefficients ``c_i`` (default 1/N) and ``w = c / Σc``.
+
+  ``where`` prefixes an error (the block), ``hint`` ends it.
+  """
   c = jnp.full((n,), 1.0 / n, dtype) if weights is None else jnp.asarray(
       weights, dtype)
   if c.shape != (n,):
-    raise ValueError(f"weights of shape {c.shape} do not match a batch of {n}")
+    raise ValueError(f"{where + ': ' if where else ''}weights of shape "
+                     f"{c.shape} do not match a batch of {n}{hint}")
   total = jnp.sum(c)
   return c, c / jnp.where(total != 0, total, 1)
 

@@ -120,7 +120,13 @@ def conv_data(block, inputs, cotangents, weights):
         (n, r * t) + a.shape[2:])
     g = jnp.swapaxes(g.reshape((g.shape[0], r, n) + g.shape[2:]), 1, 2
                      ).reshape((g.shape[0], n, r * t) + g.shape[3:])
-  c, w = base.normalized_weights(weights, n, dtype)
+  hint = ""
+  if weights is not None and r == 1 and jnp.ndim(weights) == 1 and 0 < len(
+      weights) < n and n % len(weights) == 0:
+    hint = (f" (the convolution ran on {n} inputs: if the kernel is applied "
+            f"{n // len(weights)} times per example, build the block with "
+            f"repeats={n // len(weights)})")
+  c, w = base.normalized_weights(weights, n, dtype, where, hint)
   return a, g, c, w
 
 
