@@ -217,6 +217,9 @@ def test_bad_shapes_name_the_block_and_both_shapes():
     block.compute_stats(jnp.ones((5, 2)), jnp.ones((5, 4)))
   with pytest.raises(ValueError, match=r"KroneckerDense.*\(5, 3\).*\(5, 4\)"):
     block.compute_stats(jnp.ones((5, 3)), jnp.ones((5, 3)))
+  with pytest.raises(ValueError, match=r"KroneckerDense.*weights of shape "
+                     r"\(4,\) do not match a batch of 5$"):
+    block.compute_stats(jnp.ones((5, 3)), jnp.ones((5, 4)), weights=jnp.ones(4))
   conv = B.KroneckerConv((3, 3, 2, 4), dimension_numbers=("NHWC", "HWIO", "NHWC"))
   with pytest.raises(ValueError, match=r"KroneckerConv.*\(1, 5, 5, 3\).*3 channels.*2"):
     conv.compute_stats(jnp.ones((1, 5, 5, 3)), jnp.ones((1, 3, 3, 4)))

@@ -60,7 +60,7 @@ def dense_data(layout, inputs, cotangents, weights, where):
   if layout.has_bias:
     a = jnp.concatenate([a, jnp.ones((n, r, 1), dtype)], axis=-1)
   g = g.reshape(g.shape[0], n, r, -1).astype(dtype)
-  c, w = base.normalized_weights(weights, n, dtype)
+  c, w = base.normalized_weights(weights, n, dtype, where)
   return a, g, c, w
 
 

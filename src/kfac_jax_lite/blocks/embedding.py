@@ -66,7 +66,7 @@ class KroneckerEmbedding(base.KroneckerBlock):
     n = ids.shape[0]
     r = math.prod(ids.shape[1:])
     ids = ids.reshape(n, r)
-    c, w = base.normalized_weights(weights, n, dtype)
+    c, w = base.normalized_weights(weights, n, dtype, where)
     if self.weight_sharing == "expand":
       share = jnp.broadcast_to((w / r)[:, None], (n, r))
     else:  # Σ_v (count_v / R)² spread over the lookups of each id.

@@ -80,7 +80,7 @@ class ScaleAndShift(base.FlatBlock):
     if self.has_shift:
       parts.append(self._reduce(g, where))
     u = jnp.concatenate(parts, axis=-1)  # S, N, size
-    c, _ = base.normalized_weights(weights, u.shape[1], dtype)
+    c, _ = base.normalized_weights(weights, u.shape[1], dtype, where)
     uc = u * c[None, :, None]
     if self.full:
       return base.gram(uc, u) / u.shape[0]
