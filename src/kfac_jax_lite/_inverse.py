@@ -57,6 +57,9 @@ operands to bfloat16 / TF32).
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -102,7 +105,36 @@ def _negated_gauss_jordan(m, block_size):
   """``(−m⁻¹, smallest pivot)`` by the blocked sweep (``gauss_jordan_inverse``).
 
   The sweep ends with ``−m⁻¹``; returning it as it is saves a pass over the
-  matrix (and a compiled kernel) where the caller folds the sign in.
+  matrix (and a compiled kernel) where the caller folds the sign in. The
+  matrix is padded to a multiple of ``block_size`` here and swept by one
+  jitted function per padded size: factors of nearby sizes (a layer's
+  785-wide input factor and its 784-wide output one, the encoder's layers
+  and the decoder's) then share one trace and one lowering of the sweep,
+  which were most of the time spent tracing a K-FAC step (measured: the
+  MNIST autoencoder's step lowers in 1.4-2.1 s instead of 1.8-3.2 s).
+  """
+  n = m.shape[-1]
+  if n <= block_size:
+    return _negated_leaf_inverse(m)
+  size = -(-n // block_size) * block_size
+  a = m
+  if size != n:
+    pad = [(0, 0)] * (m.ndim - 2) + [(0, size - n), (0, size - n)]
+    a = jnp.pad(m, pad) + jnp.diag(jnp.arange(size) >= n).astype(m.dtype)
+  a, low = _sweep(a, block_size)
+  return a[..., :n, :n], low
+
+
+@jax.jit
+def _negated_leaf_inverse(m):
+  """``(−m⁻¹, smallest pivot)`` by scalar Gauss–Jordan, symmetrised."""
+  inv, low = _leaf_inverse(m)
+  return -(inv + _t(inv)) / 2, low
+
+
+@functools.partial(jax.jit, static_argnames="block_size")
+def _sweep(a, block_size):
+  """``(−a⁻¹, smallest pivot)`` for ``a`` a multiple of ``block_size`` wide.
 
   Row block ``k`` is never written (by symmetry it is the transpose of
   column block ``k``): each step then makes one pass over the matrix
@@ -112,13 +144,7 @@ def _negated_gauss_jordan(m, block_size):
   its swept rows from the pivot's row block instead, and the result is
   mirrored from the upper block triangle (exactly symmetric).
   """
-  n = m.shape[-1]
-  if n <= block_size:
-    inv, low = _leaf_inverse(m)
-    return -(inv + _t(inv)) / 2, low
-  size = -(-n // block_size) * block_size
-  pad = [(0, 0)] * (m.ndim - 2) + [(0, size - n), (0, size - n)]
-  a = jnp.pad(m, pad) + jnp.diag(jnp.arange(size) >= n).astype(m.dtype)
+  size = a.shape[-1]
   rows = jnp.arange(size)[:, None]
 
   def sweep(k, carry):
@@ -135,14 +161,13 @@ def _negated_gauss_jordan(m, block_size):
     a = lax.dynamic_update_slice_in_dim(a, w, start, axis=-1)
     return a, jnp.minimum(low, pivot_low)
 
-  init = (a, jnp.full_like(m, jnp.inf, shape=()))
+  init = (a, jnp.full_like(a, jnp.inf, shape=()))
   a, low = lax.fori_loop(0, size // block_size, sweep, init)
   # Kept: the upper block triangle, and the upper triangle of each diagonal
   # block (whose two halves agree only up to rounding): exactly symmetric.
-  i = jnp.arange(n)
+  i = jnp.arange(size)
   upper = (i[:, None] // block_size < i[None, :] // block_size) | (
       i[:, None] <= i[None, :])
-  a = a[..., :n, :n]
   return jnp.where(upper, a, _t(a)), low
 
 
