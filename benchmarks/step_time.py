@@ -23,7 +23,8 @@ median. A summary then gives the amortised ratios of the issue-13 goals and the
 compile ratio (first step, compilation included, over SGD's), split into
 tracing + lowering, XLA's compile and the first run, with the optimised
 program's fusion and loop counts (XLA:CPU compiles a kernel per distinct
-fusion, so compile time follows the fusion count). A last table
+fusion, so compile time follows the fusion count); JAX's caches are
+cleared before each configuration compiles, as in a fresh process. A last table
 times the pieces of a K-FAC step (statistics, ``update_cov``, the refresh
 with each ``inverse_method``, preconditioning, and the factor
 decompositions on their own) against their FLOPs at the measured matmul
@@ -323,6 +324,9 @@ def make_runners(loss_fn, params, batch, args):
 def time_round_robin(runners, batches, warmup, steps):
   t0 = time.perf_counter()
   for r in runners:  # Compile (and the first warm-up step).
+    # As in a fresh process: no traces cached by the rows before (the
+    # library jits its inverse sweep per padded size).
+    jax.clear_caches()
     c0 = time.perf_counter()
     lowered = r.step.lower(r.carry, batches[0])  # Tracing + lowering.
     c1 = time.perf_counter()
