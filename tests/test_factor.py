@@ -283,13 +283,14 @@ def test_gauss_jordan_inverse_over_many_blocks_is_exact_and_symmetric(x64):
 def test_an_inverse_with_positive_pivots_is_ok_only_when_finite():
   """The pivots alone do not make an inverse ok: one non-finite entry
   (±inf, NaN; the other entries finite) makes it not ok."""
+  finish = jax.jit(_inverse._finish, static_argnums=2)  # As compiled.
   finite = jnp.array([[2.0, -1.0], [-1.0, 3.0]])
-  assert bool(_inverse._finish(finite, jnp.float32(1.0), symmetric=True)[1])
-  assert not bool(_inverse._finish(finite, jnp.float32(0.0), symmetric=True)[1])
+  assert bool(finish(finite, jnp.float32(1.0), True)[1])
+  assert not bool(finish(finite, jnp.float32(0.0), True)[1])
   for bad in (jnp.inf, -jnp.inf, jnp.nan):
     for symmetric in (True, False):
       m = finite.at[0, 1].set(bad)
-      assert not bool(_inverse._finish(m, jnp.float32(1.0), symmetric)[1])
+      assert not bool(finish(m, jnp.float32(1.0), symmetric)[1])
 
 
 def test_inverses_of_device_varying_factors_under_shard_map():
