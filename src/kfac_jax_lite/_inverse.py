@@ -63,6 +63,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kfac_jax_lite import _packing
+
 HIGHEST = lax.Precision.HIGHEST
 BLOCK_SIZE = 64  # Pivot block width of gauss_jordan_inverse (measured on CPU).
 # Largest matrix schur_inverse sweeps whole (larger ones are split once).
@@ -177,9 +179,8 @@ def _finish(negated_inv, low, symmetric=False):
   """``(m⁻¹, ok)`` from ``−m⁻¹`` and the smallest pivot; ``negated_inv`` is
   symmetrised unless it is ``symmetric`` already."""
   inv = -negated_inv if symmetric else -(negated_inv + _t(negated_inv)) / 2
-  # Σ (x − x) is 0 when every entry is finite and NaN otherwise: one
-  # reduction, where isfinite then all writes a boolean matrix first.
-  return inv, (low > 0) & jnp.isfinite(jnp.sum(inv - inv))
+  # One reduction (isfinite then all would write a boolean matrix first).
+  return inv, (low > 0) & _packing.all_finite(inv)
 
 
 def gauss_jordan_inverse(m, block_size: int = BLOCK_SIZE):

@@ -10,9 +10,14 @@ groups of at most ``GROUP`` elements (XLA fuses the concatenation into the
 reduction, which then reads each element once but more slowly, so the
 groups stay small). The grouping depends only on the sizes, so the same
 shapes pack the same way (``pack(u)`` and ``pack(g)`` pair up).
+``all_finite`` is the finiteness verdict built on it (``factor`` exports
+it; ``_inverse`` checks its results with it).
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 SMALL = 1 << 14
@@ -34,3 +39,33 @@ def pack(arrays):
   if group:
     out.append(jnp.concatenate(group) if len(group) > 1 else group[0])
   return out
+
+
+def all_finite(tree):
+  """A scalar bool: every entry of every leaf of ``tree`` is finite.
+
+  One sum over all real floating entries, ``Σ (x - x)`` (``x - x`` in the
+  leaf's own dtype, then float32): it is exactly 0 when every ``x`` is
+  finite and NaN when one is ±inf or NaN (``inf - inf = NaN``); it only
+  adds zeros, so it cannot overflow, and a NaN survives the sums and the
+  casts, so ``isfinite`` of it is the exact verdict (``-inf`` beside
+  ``+inf`` included). Compiled, that is one reduction kernel per large leaf
+  and one per group of small ones (``pack``), where ``jnp.isfinite``
+  then ``jnp.all`` per leaf is three kernels a leaf (and ``x·0`` would make
+  XLA:CPU materialise the broadcast zeros). Integer and boolean leaves are
+  always finite; complex ones are checked entry by entry.
+  """
+  by_dtype, parts = {}, []
+  for x in jax.tree.leaves(tree):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      by_dtype.setdefault(x.dtype, []).append(x)
+    elif jnp.issubdtype(x.dtype, jnp.complexfloating):
+      parts.append(jnp.all(jnp.isfinite(x)))
+  # Packed in their own dtype (a cast first could overflow a finite value),
+  # subtracted after the packing (XLA splits a sum over a concatenation of
+  # differences back into one sum per operand).
+  total = sum((jnp.sum((p - p).astype(jnp.float32))
+               for xs in by_dtype.values() for p in pack(xs)),
+              jnp.zeros((), jnp.float32))
+  return functools.reduce(jnp.logical_and, parts, jnp.isfinite(total))

@@ -60,7 +60,6 @@ code and nothing depends on optax.
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -162,34 +161,7 @@ def factor_value(state: FactorState) -> Array:
   return jnp.where(state.weight > 0, state.cov / safe, jnp.zeros_like(state.cov))
 
 
-def all_finite(tree) -> Array:
-  """A scalar bool: every entry of every leaf of ``tree`` is finite.
-
-  One sum over all real floating entries, ``Σ (x - x)`` (``x - x`` in the
-  leaf's own dtype, then float32): it is exactly 0 when every ``x`` is
-  finite and NaN when one is ±inf or NaN (``inf - inf = NaN``); it only
-  adds zeros, so it cannot overflow, and a NaN survives the sums and the
-  casts, so ``isfinite`` of it is the exact verdict (``-inf`` beside
-  ``+inf`` included). Compiled, that is one reduction kernel per large leaf
-  and one per group of small ones (``_packing``), where ``jnp.isfinite``
-  then ``jnp.all`` per leaf is three kernels a leaf (and ``x·0`` would make
-  XLA:CPU materialise the broadcast zeros). Integer and boolean leaves are
-  always finite; complex ones are checked entry by entry.
-  """
-  by_dtype, parts = {}, []
-  for x in jax.tree.leaves(tree):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      by_dtype.setdefault(x.dtype, []).append(x)
-    elif jnp.issubdtype(x.dtype, jnp.complexfloating):
-      parts.append(jnp.all(jnp.isfinite(x)))
-  # Packed in their own dtype (a cast first could overflow a finite value),
-  # subtracted after the packing (XLA splits a sum over a concatenation of
-  # differences back into one sum per operand).
-  total = sum((jnp.sum((p - p).astype(jnp.float32))
-               for xs in by_dtype.values() for p in _packing.pack(xs)),
-              jnp.zeros((), jnp.float32))
-  return functools.reduce(jnp.logical_and, parts, jnp.isfinite(total))
+all_finite = _packing.all_finite  # Σ (x − x) over packed leaves.
 
 
 def _check_stats_shape(state: FactorState, new_stats, where: str):
