@@ -15,7 +15,9 @@ def jacobians(fn, params, xs):
   """``[N, R, O, P]``: ∂y_nro/∂θ_p for every example."""
   flat, unravel = ravel_pytree(tuple(params))
   jac = jax.jacrev(lambda p, x: fn(unravel(p), x))
-  return np.asarray(jax.vmap(jac, in_axes=(None, 0))(flat, xs), np.float64)
+  # Jitted: one compile instead of one per primitive (eager), same math.
+  return np.asarray(jax.jit(jax.vmap(jac, in_axes=(None, 0)))(flat, xs),
+                    np.float64)
 
 
 def weights_of(c, n):
@@ -52,8 +54,8 @@ def per_example_grads(fn, params, xs, cots):
   """``[S, N, P]``: gradients of ``<g_sn, fn(θ, x_n)>`` by ``vmap(grad)``."""
   def loss(p, x, g):
     return jnp.sum(fn(p, x) * g)
-  grad = jax.vmap(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)),
-                  in_axes=(None, None, 0))(tuple(params), xs, cots)
+  grad = jax.jit(jax.vmap(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)),
+                          in_axes=(None, None, 0)))(tuple(params), xs, cots)
   return np.concatenate(
       [np.asarray(x, np.float64).reshape(x.shape[0], x.shape[1], -1)
        for x in grad], axis=-1)

@@ -40,18 +40,21 @@ def test_dense_block_equals_jacobian_formula(d_in, d_out, n, r, s, bias, mode,
 
   block = B.KroneckerDense(shape, in_axes=(1,) if transposed else (0,),
                              has_bias=bias, weight_sharing=mode)
+  diag = B.DiagonalDense(shape, in_axes=block.in_axes, has_bias=bias)
+  # Jitted (as the library runs): one compile per drawn shape, where eager
+  # mode compiles every primitive for it.
+  dense_of = jax.jit(lambda b, *args: b.to_dense(fresh(b, *args)),
+                     static_argnums=0)
   with x64_mode(True):
-    state = fresh(block, xs, cots, c)
+    got = dense_of(block, xs, cots, c)
     expected = _brute.kronecker_curvature(
         _brute.jacobians(fn, params, xs), cots, c, mode)
-    np.testing.assert_allclose(block.to_dense(state), expected, atol=1e-10)
+    np.testing.assert_allclose(got, expected, atol=1e-10)
     if r == 1 and s == 1 and n == 1:  # One example: the exact curvature.
       grad = _brute.per_example_grads(fn, params, xs, cots)[0, 0]
-      np.testing.assert_allclose(block.to_dense(state),
-                                 c[0] * np.outer(grad, grad), atol=1e-10)
-    diag = B.DiagonalDense(shape, in_axes=block.in_axes, has_bias=bias)
+      np.testing.assert_allclose(got, c[0] * np.outer(grad, grad), atol=1e-10)
     np.testing.assert_allclose(
-        diag.to_dense(fresh(diag, xs, cots, c)),
+        dense_of(diag, xs, cots, c),
         np.diag(_brute.sum_of_squares(
             _brute.per_example_grads(fn, params, xs, cots), c)), atol=1e-10)
 

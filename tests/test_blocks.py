@@ -5,6 +5,8 @@ damped dense matrix (exactly in ``"exact"`` mode and for flat blocks, with
 the π-adjusted damped factors in ``"pi"`` mode); powers invert each other;
 the Cholesky products are square roots of the damped matrix.
 """
+import functools
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -20,7 +22,8 @@ from _helpers import flat, sym_power, x64_mode
 
 
 def rand(key, shape, dtype=np.float64):
-  return np.asarray(jax.random.normal(jax.random.PRNGKey(key), shape), dtype)
+  # numpy's generator: jax.random would compile a sampler per drawn shape.
+  return np.random.default_rng(key).standard_normal(shape).astype(dtype)
 
 
 def dense_case(mode, bias=True, shape=(3, 4), in_axes=(0,), n=5, seed=0):
@@ -97,22 +100,28 @@ def random_v(block, seed, dtype):
   return tuple(rand(seed + i, s, dtype) for i, s in enumerate(block.param_shapes))
 
 
+# Jitted helpers: one compile per shape (eager mode compiles each primitive).
+_to_dense = jax.jit(lambda block, state: block.to_dense(state), static_argnums=0)
+_factor_values = jax.jit(lambda state: tuple(fac.factor_value(f) for f in state))
+_with_factors = jax.jit(lambda state, a, g: state._replace(
+    a=kfl.update_cov(state.a, a, 0.0), g=kfl.update_cov(state.g, g, 0.0)))
+
+
 def damped_dense(block, state, damping):
   """The damped block the approximation inverts, built independently."""
-  dense = np.asarray(block.to_dense(state), np.float64)
+  dense = np.asarray(_to_dense(block, state), np.float64)
   if not isinstance(block, B.KroneckerBlock) or block.damping_mode == "exact":
     return dense + damping * np.eye(len(dense))
   # π-adjusted: c (A + π√(λ/c) I) ⊗ (G + √(λ/c)/π I), π per group.
-  a, g = (np.asarray(fac.factor_value(f), np.float64) for f in state)
+  a, g = (np.asarray(f, np.float64) for f in _factor_values(state))
   a_diag = a if a.ndim == 2 else np.diagonal(a, axis1=1, axis2=2)
   pi = np.sqrt(a_diag.mean(-1) / np.diagonal(g, axis1=1, axis2=2).mean(-1))
   root = np.sqrt(damping / block.renorm_coeff)
   a_damped = (a + (pi * root)[:, None] if a.ndim == 2
               else a + (pi * root)[:, None, None] * np.eye(a.shape[-1]))
   g_damped = g + (root / pi)[:, None, None] * np.eye(g.shape[-1])
-  damped = state._replace(a=kfl.update_cov(state.a, a_damped, 0.0),
-                          g=kfl.update_cov(state.g, g_damped, 0.0))
-  return np.asarray(block.to_dense(damped), np.float64)
+  damped = _with_factors(state, a_damped, g_damped)
+  return np.asarray(_to_dense(block, damped), np.float64)
 
 
 @pytest.mark.parametrize("x64", [False, True])
@@ -179,16 +188,22 @@ def test_dense_block_powers_over_shapes(d_in, d_out, bias, mode, damping, exp,
                                         seed):
   with x64_mode(True):
     block, data = dense_case(mode, bias, (d_in, d_out), seed=seed)
-    state = block.update(block.init(jnp.float64), block.compute_stats(*data), 0.5)
     v = random_v(block, seed + 7, np.float64)
-    damped = damped_dense(block, state, damping)
-    got = flat(block.multiply_matpower(state, v, damping, exp))
-    expected = sym_power(damped, exp) @ flat(v)
-    np.testing.assert_allclose(got, expected, rtol=1e-7,
+    state, got, back = _power_and_back(block, data, v, damping, exp)
+    expected = sym_power(damped_dense(block, state, damping), exp) @ flat(v)
+    np.testing.assert_allclose(flat(got), expected, rtol=1e-7,
                                atol=1e-9 * np.abs(expected).max())
-    back = block.multiply_matpower(state, block.multiply_matpower(
-        state, v, damping, exp), damping, -exp)
     np.testing.assert_allclose(flat(back), flat(v), rtol=1e-6, atol=1e-8)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _power_and_back(block, data, v, damping, exp):
+  """``(state, P^exp v, P^-exp P^exp v)`` for the block's statistics of
+  ``data``, jitted as the library runs (one compile per drawn shape; eager
+  mode compiles every primitive for it)."""
+  state = block.update(block.init(jnp.float64), block.compute_stats(*data), 0.5)
+  got = block.multiply_matpower(state, v, damping, exp)
+  return state, got, block.multiply_matpower(state, got, damping, -exp)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
