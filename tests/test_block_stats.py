@@ -15,11 +15,18 @@ from _helpers import x64_mode
 
 
 def rand(key, shape):
-  return np.asarray(jax.random.normal(jax.random.PRNGKey(key), shape), np.float64)
+  # numpy's generator: jax.random would compile a sampler per drawn shape.
+  return np.random.default_rng(key).standard_normal(shape)
 
 
 def fresh(block, *args, **kwargs):
   return block.update(block.init(jnp.float64), block.compute_stats(*args, **kwargs), 0.5)
+
+
+# Jitted (as the library runs): one compile per block and shapes, where
+# eager mode compiles every primitive for them.
+dense_of = jax.jit(lambda block, *args: block.to_dense(fresh(block, *args)),
+                   static_argnums=0)
 
 
 @hypothesis.settings(max_examples=6, deadline=None)
@@ -41,10 +48,6 @@ def test_dense_block_equals_jacobian_formula(d_in, d_out, n, r, s, bias, mode,
   block = B.KroneckerDense(shape, in_axes=(1,) if transposed else (0,),
                              has_bias=bias, weight_sharing=mode)
   diag = B.DiagonalDense(shape, in_axes=block.in_axes, has_bias=bias)
-  # Jitted (as the library runs): one compile per drawn shape, where eager
-  # mode compiles every primitive for it.
-  dense_of = jax.jit(lambda b, *args: b.to_dense(fresh(b, *args)),
-                     static_argnums=0)
   with x64_mode(True):
     got = dense_of(block, xs, cots, c)
     expected = _brute.kronecker_curvature(
@@ -119,14 +122,13 @@ def test_conv_blocks_equal_jacobian_formula(case, bias):
   common = dict(kernel_shape=k_shape, dimension_numbers=dn, has_bias=bias, **kw)
   block = B.KroneckerConv(**common)
   with x64_mode(True):
-    state = fresh(block, xs, cots, c)
     expected = _brute.kronecker_curvature(
         _brute.jacobians(fn, params, xs), cots_to, c,
         out_groups=kw.get("feature_group_count", 1))
-    np.testing.assert_allclose(block.to_dense(state), expected, atol=1e-9)
+    np.testing.assert_allclose(dense_of(block, xs, cots, c), expected, atol=1e-9)
     diag = B.DiagonalConv(**common)
     grads = _brute.per_example_grads(conv, params, xs, cots)
-    np.testing.assert_allclose(diag.to_dense(fresh(diag, xs, cots, c)),
+    np.testing.assert_allclose(dense_of(diag, xs, cots, c),
                                np.diag(_brute.sum_of_squares(grads, c)),
                                atol=1e-9)
 

@@ -93,27 +93,34 @@ def test_damped_matpower_matches_brute_force(n, damping, exp, method, seed, x64)
   c = random_psd(rng, n, rank=max(1, n - 2))  # Singular when rank < n.
   with x64_mode(x64):
     dtype = jnp.float64 if x64 else jnp.float32
-    state = filled(c, dtype)
-    got = kfl.damped_matpower(state, damping, exp, method=method)
+    d = np.abs(np.diag(c))
+    got, cached, from_eigh, diagonal = _powers(
+        filled(c, dtype), filled(c, dtype, cache="eigh"),
+        filled(d, dtype, diagonal=True), damping, exp, method)
     assert got.dtype == dtype
     tol = 1e-9 if x64 else 2e-4
     expected = brute_power(c, damping, exp)
     scale = np.abs(expected).max()
     np.testing.assert_allclose(got, expected, atol=tol * scale, rtol=tol * 10)
     # A refreshed power cache holds the same power.
-    cached = fac.refresh_cache(state, 1, damping=damping, exp=exp, method=method)
-    np.testing.assert_allclose(cached.cache.matpower, expected,
-                               atol=tol * scale, rtol=tol * 10)
+    np.testing.assert_allclose(cached, expected, atol=tol * scale, rtol=tol * 10)
     # The cached eigendecomposition gives the same power at any damping.
-    cached = fac.refresh_cache(filled(c, dtype, cache="eigh"), 1)
-    np.testing.assert_allclose(
-        kfl.damped_matpower(cached, damping, exp, use_cache=True), expected,
-        atol=tol * scale, rtol=tol * 10)
+    np.testing.assert_allclose(from_eigh, expected, atol=tol * scale,
+                               rtol=tol * 10)
     # Diagonal factors: elementwise.
-    d = np.abs(np.diag(c))
-    np.testing.assert_allclose(
-        kfl.damped_matpower(filled(d, dtype, diagonal=True), damping, exp),
-        (d + damping) ** exp, rtol=tol * 10)
+    np.testing.assert_allclose(diagonal, (d + damping) ** exp, rtol=tol * 10)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _powers(state, eigh_state, diagonal_state, damping, exp, method):
+  """The powers the test above checks, jitted as the library runs (one
+  compile per drawn size: eager mode compiles every primitive for it)."""
+  return (kfl.damped_matpower(state, damping, exp, method=method),
+          fac.refresh_cache(state, 1, damping=damping, exp=exp,
+                            method=method).cache.matpower,
+          kfl.damped_matpower(fac.refresh_cache(eigh_state, 1), damping, exp,
+                              use_cache=True),
+          kfl.damped_matpower(diagonal_state, damping, exp))
 
 
 @pytest.mark.parametrize("method", METHODS)
