@@ -87,13 +87,20 @@ def stats_of(block, data, state):
 
 def make(name, dtype):
   block, data = CASES[name]()
+  return block, _filled(block, data, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _filled(block, data, dtype):
+  """The block's state after one update with ``data``'s statistics
+  (jitted: one compile per case, where eager mode compiles each primitive)."""
   state = block.init(dtype)
   state = block.update(state, stats_of(block, data, state), 0.9)
   if isinstance(block, B.EigenCorrected):
     # An eigenbasis (refresh), then scalings measured in it.
     state = block.refresh(state, 0.0, step=0)
     state = block.update(state, stats_of(block, data, state), 0.9)
-  return block, state
+  return state
 
 
 def random_v(block, seed, dtype):
@@ -124,6 +131,34 @@ def damped_dense(block, state, damping):
   return np.asarray(_to_dense(block, damped), np.float64)
 
 
+LAM = 0.3
+REFRESHES = ((-1.0, "gauss_jordan"), (-1.0, "cholesky"), (-1.0, "newton_schulz"),
+             (-1.0, "eigh"), (-0.5, "auto"))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _algebra(block, state, v):
+  """Every product ``test_block_algebra`` checks, jitted as the library
+  runs (one compile per case, where eager mode compiles each primitive)."""
+  out = {"dense": block.to_dense(state), "multiply": block.multiply(state, v),
+         "inverse": block.multiply_inverse(state, v, LAM)}
+  for exp in (-0.5, 0.5, 2.0):
+    out[f"power {exp}"] = block.multiply_matpower(state, v, LAM, exp)
+  there = block.multiply_matpower(state, v, LAM, -0.5)
+  out["there and back"] = block.multiply_matpower(state, there, LAM, 0.5)
+  lt_v = block.multiply_cholesky(state, v, LAM, transpose=True)
+  out["L Lt v"] = block.multiply_cholesky(state, lt_v, LAM)
+  out["Linv L v"] = block.multiply_cholesky_inverse(
+      state, block.multiply_cholesky(state, v, LAM), LAM)
+  out["Ltinv Lt v"] = block.multiply_cholesky_inverse(state, lt_v, LAM,
+                                                      transpose=True)
+  for exp, method in REFRESHES:
+    cached = block.refresh(state, LAM, exp, step=3, method=method)
+    out[f"cached {method}"] = block.multiply_matpower(cached, v, LAM, exp,
+                                                      use_cache=True)
+  return out
+
+
 @pytest.mark.parametrize("x64", [False, True])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_block_algebra(name, x64):
@@ -132,39 +167,30 @@ def test_block_algebra(name, x64):
     rtol = 1e-9 if x64 else 2e-3
     block, state = make(name, dtype)
     v = random_v(block, 100, np.float64 if x64 else np.float32)
-    dense = np.asarray(block.to_dense(state), np.float64)
+    got = _algebra(block, state, v)
+    dense = np.asarray(got["dense"], np.float64)
     n = sum(int(np.prod(s)) for s in block.param_shapes)
     assert dense.shape == (n, n)
     np.testing.assert_allclose(dense, dense.T, atol=1e-6)
 
-    def close(got, expected):
-      got = flat(got)
-      np.testing.assert_allclose(got, expected, rtol=rtol,
-                                 atol=rtol * np.abs(expected).max())
+    def close(key, expected):
+      np.testing.assert_allclose(flat(got[key]), expected, rtol=rtol,
+                                 atol=rtol * np.abs(expected).max(), err_msg=key)
 
-    close(block.multiply(state, v), dense @ flat(v))
-    lam = 0.3
-    damped = damped_dense(block, state, lam)
-    close(block.multiply_inverse(state, v, lam), np.linalg.solve(damped, flat(v)))
+    close("multiply", dense @ flat(v))
+    damped = damped_dense(block, state, LAM)
+    close("inverse", np.linalg.solve(damped, flat(v)))
     for exp in (-0.5, 0.5, 2.0):
-      close(block.multiply_matpower(state, v, lam, exp),
-            sym_power(damped, exp) @ flat(v))
-    there = block.multiply_matpower(state, v, lam, -0.5)
-    close(block.multiply_matpower(state, there, lam, 0.5), flat(v))
+      close(f"power {exp}", sym_power(damped, exp) @ flat(v))
+    close("there and back", flat(v))
     # Square-root factors: L Lᵀ = damped; L⁻¹ and L⁻ᵀ invert L and Lᵀ.
-    lt_v = block.multiply_cholesky(state, v, lam, transpose=True)
-    close(block.multiply_cholesky(state, lt_v, lam), damped @ flat(v))
-    close(block.multiply_cholesky_inverse(
-        state, block.multiply_cholesky(state, v, lam), lam), flat(v))
-    close(block.multiply_cholesky_inverse(state, lt_v, lam, transpose=True),
-          flat(v))
+    close("L Lt v", damped @ flat(v))
+    close("Linv L v", flat(v))
+    close("Ltinv Lt v", flat(v))
     # The refreshed cache gives the same products as a fresh decomposition,
     # whichever method computes the inverses.
-    for exp, method in ((-1.0, "gauss_jordan"), (-1.0, "cholesky"),
-                        (-1.0, "newton_schulz"), (-1.0, "eigh"), (-0.5, "auto")):
-      cached = block.refresh(state, lam, exp, step=3, method=method)
-      close(block.multiply_matpower(cached, v, lam, exp, use_cache=True),
-            sym_power(damped, exp) @ flat(v))
+    for exp, method in REFRESHES:
+      close(f"cached {method}", sym_power(damped, exp) @ flat(v))
 
 
 def test_pi_cholesky_factor_is_lower_triangular_in_kronecker_order():
