@@ -127,7 +127,7 @@ def report(records, metrics, reference, grids, compete=None,
                         ref_time_over_ours=speedup)
     print(line + ("  (diverged)" if r["diverged"] else ""))
     rows.append(row)
-  print(f"  style: grad = value_and_grad + tx.update(g, s, p); 1-pass = "
+  print("  style: grad = value_and_grad + tx.update(g, s, p); 1-pass = "
         "kfl.value_grad_and_stats + tx.update(..., stats=); batch= = "
         "value_and_grad + tx.update(..., batch=)")
   print("  *: the best value of a setting is at an end of its grid")

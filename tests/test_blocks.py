@@ -30,7 +30,6 @@ def dense_case(mode, bias=True, shape=(3, 4), in_axes=(0,), n=5, seed=0):
   block = B.KroneckerDense(shape, in_axes=in_axes, has_bias=bias,
                              damping_mode=mode, renorm_coeff=1.5)
   d_in = int(np.prod([shape[i] for i in block.layout.in_axes]))
-  d_out = int(np.prod(block.layout.out_dims))
   xs = rand(seed, (n, d_in)).reshape((n,) + block.layout.in_dims)
   return block, (xs, rand(seed + 1, (n,) + block.layout.out_dims))
 

@@ -12,7 +12,6 @@ with its reshaped kernel.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax import lax
 

@@ -12,7 +12,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.flatten_util import ravel_pytree
 

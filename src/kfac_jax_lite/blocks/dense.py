@@ -44,7 +44,7 @@ def dense_data(layout, inputs, cotangents, weights, where):
   """
   inputs = jnp.asarray(inputs)
   cotangents = jnp.asarray(cotangents)
-  n_in, n_out = len(layout.in_dims), len(layout.out_dims)
+  n_in = len(layout.in_dims)
   if inputs.ndim < 1 + n_in or tuple(inputs.shape[inputs.ndim - n_in:]) != layout.in_dims:
     raise ValueError(f"{where}: inputs of shape {inputs.shape} do not end in "
                      f"the kernel's input dims {layout.in_dims}")
