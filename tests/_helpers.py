@@ -24,6 +24,12 @@ def x64_mode(enabled: bool):
   return enable(True)
 
 
+def rand(key, shape, dtype=np.float64):
+  """Standard normal test data of ``shape`` from seed ``key`` (numpy's
+  generator: ``jax.random`` would compile a sampler per drawn shape)."""
+  return np.random.default_rng(key).standard_normal(shape).astype(dtype)
+
+
 def flat(tree):
   """A pytree's leaves, raveled and concatenated, as float64 numpy."""
   leaves = jax.tree.leaves(tree)

@@ -11,12 +11,7 @@ import kfac_jax_lite as kfl
 from kfac_jax_lite import blocks as B
 
 import _brute
-from _helpers import x64_mode
-
-
-def rand(key, shape):
-  # numpy's generator: jax.random would compile a sampler per drawn shape.
-  return np.random.default_rng(key).standard_normal(shape)
+from _helpers import rand, x64_mode
 
 
 def fresh(block, *args, **kwargs):

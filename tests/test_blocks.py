@@ -18,12 +18,7 @@ import kfac_jax_lite as kfl
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite import factor as fac
 
-from _helpers import flat, sym_power, x64_mode
-
-
-def rand(key, shape, dtype=np.float64):
-  # numpy's generator: jax.random would compile a sampler per drawn shape.
-  return np.random.default_rng(key).standard_normal(shape).astype(dtype)
+from _helpers import flat, rand, sym_power, x64_mode
 
 
 def dense_case(mode, bias=True, shape=(3, 4), in_axes=(0,), n=5, seed=0):
