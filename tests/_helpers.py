@@ -30,6 +30,82 @@ def rand(key, shape, dtype=np.float64):
   return np.random.default_rng(key).standard_normal(shape).astype(dtype)
 
 
+def rounding_tol(dtype, terms, scale, depth=1, cond=1.0):
+  """The absolute difference rounding allows between two computations of
+  one quantity in ``dtype`` (two code paths, or one on two CPUs).
+
+  A sum of ``n`` products computed in floating point, in any order and by
+  any kernel, is within ``γ_n Σ|terms| ≈ n·u·Σ|terms|`` of the exact sum
+  (``u = ε/2``; Higham, *Accuracy and Stability of Numerical Algorithms*,
+  §3.1), so two such computations are within ``n·ε·Σ|terms|`` of each
+  other. A result that chains ``depth`` reductions (a forward and a
+  backward pass through layers) adds their bounds. Returns
+  ``depth·n·ε·scale``.
+
+  Args:
+    dtype: the precision computed in (the lower of the two sides').
+    terms: ``n``, the longest reduction a result entry goes through (the
+      batch, a contraction's width, their product for a covariance of
+      cotangents summed over a batch).
+    scale: the size of the summed terms, ``Σ|terms|``; ``max |desired|``
+      where they do not cancel (a PSD matrix's largest entry bounds its
+      off-diagonal terms by Cauchy–Schwarz).
+    depth: the number of chained reductions.
+    cond: the condition number of a solve the result then goes through
+      (a relative perturbation of the data moves the solution by up to
+      ``cond`` times as much; Higham §7.1), e.g. ``kron_cond_bound``.
+  """
+  return (depth * terms * float(np.finfo(dtype).eps) * float(scale)
+          * float(cond))
+
+
+def low_precision(*arrays):
+  """The least precise floating dtype among ``arrays`` (float64 if none)."""
+  dtypes = [np.asarray(a).dtype for a in arrays]
+  floats = [d for d in dtypes if np.issubdtype(d, np.floating)]
+  return max(floats, key=lambda d: np.finfo(d).eps, default=np.float64)
+
+
+def assert_rounding_close(actual, desired, terms, depth=1, scale=None,
+                          cond=1.0, err_msg=""):
+  """``|actual − desired| ≤ rounding_tol(...)`` entrywise, in the lower
+  precision of the two, with ``scale = max |desired|`` unless given."""
+  dtype = low_precision(actual, desired)
+  desired64 = np.asarray(desired, np.float64)
+  if scale is None:
+    scale = np.abs(desired64).max(initial=0.0)
+  np.testing.assert_allclose(
+      np.asarray(actual), desired64, rtol=0,
+      atol=rounding_tol(dtype, terms, scale, depth, cond), err_msg=err_msg)
+
+
+def kron_cond_bound(stats, damping):
+  """An upper bound on the condition number of every π-damped Kronecker
+  block ``(A + π√λ I) ⊗ (G + √λ/π I)`` of ``stats`` (block name → statistics
+  with ``a``, ``g`` of shape ``[1, n, n]``, or ``a`` a diagonal ``[1, n]``):
+  ``κ ≤ (1 + tr A/(π√λ))(1 + π tr G/√λ)`` (a PSD matrix's eigenvalues are at
+  most its trace), the largest over the blocks."""
+  bound = 1.0
+  for s in stats.values():
+    a, g = (np.asarray(x, np.float64)[0] for x in (s.a, s.g))
+    tr_a = a.sum() if a.ndim == 1 else np.trace(a)
+    tr_g = np.trace(g)
+    pi = np.sqrt((tr_a / len(a)) / (tr_g / len(g)))
+    root = np.sqrt(damping)
+    bound = max(bound, (1 + tr_a / (pi * root)) * (1 + pi * tr_g / root))
+  return bound
+
+
+def assert_paths_rounding_close(actual, desired, terms, depth=1):
+  """``assert_rounding_close`` for each path of two dicts with the same
+  keys (e.g. per-example gradients by parameter path), each path at its own
+  scale."""
+  assert set(actual) == set(desired), (sorted(actual), sorted(desired))
+  for path in desired:
+    assert_rounding_close(actual[path], desired[path], terms, depth,
+                          err_msg=str(path))
+
+
 def flat(tree):
   """A pytree's leaves, raveled and concatenated, as float64 numpy."""
   leaves = jax.tree.leaves(tree)

@@ -23,3 +23,58 @@ _flags += [f for f in _CHEAP_COMPILE
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+# --- tolerance margins (``--tolerance-report=FILE``) -------------------------
+#
+# ``python -m pytest --tolerance-report=margins.jsonl`` records, for every
+# ``np.testing.assert_allclose`` the suite makes, how much of its tolerance
+# the comparison used: ``max |actual − desired| / (atol + rtol·|desired|)``
+# (1 fails), with the call site and the compared dtypes. A float32 comparison
+# that uses a large share on one CPU is the one that fails on another, whose
+# XLA picks other kernels and summation orders; ``tests/other_cpus.sh`` runs
+# the suite the way such a CPU would compute.
+
+def pytest_addoption(parser):
+  parser.addoption("--tolerance-report", default=None, metavar="FILE",
+                   help="append every assert_allclose's used share of its "
+                        "tolerance to FILE (JSON lines)")
+
+
+def pytest_configure(config):
+  report = config.getoption("--tolerance-report")
+  if report:
+    _record_margins(os.path.abspath(report))
+
+
+def _record_margins(path):
+  import inspect
+  import json
+
+  import numpy as np
+  original = np.testing.assert_allclose
+
+  def assert_allclose(actual, desired, rtol=1e-7, atol=0, *args, **kwargs):
+    try:
+      a = np.asarray(actual)
+      d = np.asarray(desired)
+      dtypes = sorted({str(x.dtype) for x in (a, d)})
+      a, d = (np.asarray(x, np.float64) for x in (a, d))
+      allowed = atol + rtol * np.abs(d)
+      with np.errstate(divide="ignore", invalid="ignore"):
+        err = np.abs(a - d)
+        used = np.where(err == 0, 0.0, err / allowed)
+      share = float(np.nanmax(used)) if used.size else 0.0
+      caller = next(f for f in inspect.stack()[1:]  # The test's own line.
+                    if os.path.basename(f.filename) != "_helpers.py")
+      line = {"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0],
+              "site": f"{os.path.basename(caller.filename)}:{caller.lineno}",
+              "dtypes": dtypes, "rtol": rtol, "atol": float(atol),
+              "used": share}
+      with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    except Exception:  # The report must never change what a test does.
+      pass
+    return original(actual, desired, rtol, atol, *args, **kwargs)
+
+  np.testing.assert_allclose = assert_allclose
