@@ -17,7 +17,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax_lite as kfl
-from _helpers import x64_mode
+from _helpers import assert_rounding_close, rounding_tol, x64_mode
 
 N = 6
 STRUCTURES = ("full", "diag", "kron")
@@ -216,11 +216,21 @@ def kron_mlp(n, x64):
   return dense
 
 
-def _close(got, want, x64, scale=None):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  scale = np.abs(want).max() if scale is None else scale
-  tol = 1e-10 if x64 else 2e-5
-  np.testing.assert_allclose(got, want, atol=tol * scale, rtol=0)
+def _close(got, want, x64, scale=None, cond=1.0):
+  # A sum over the N examples of Jacobian products through the MLP's two
+  # layers and its softmax (≤ 4 chained reductions of ≤ N terms), then
+  # (``cond``) a solve with the precision.
+  assert_rounding_close(np.asarray(got, np.float64 if x64 else np.float32),
+                        want, terms=N, depth=4, scale=scale, cond=cond)
+
+
+def _close_logdet(got, want, dense, x64):
+  # log det P = Σ log λ_i: each eigenvalue computed to n·ε·‖P‖ moves it by
+  # at most n·ε·κ(P) (n = P's size), the sum of n such terms.
+  n = len(dense)
+  tol = rounding_tol(np.float64 if x64 else np.float32, n * n, 1.0,
+                     cond=np.linalg.cond(dense))
+  np.testing.assert_allclose(got, want, rtol=0, atol=tol)
 
 
 # --- the precision against brute force -----------------------------------
@@ -338,18 +348,17 @@ def test_logdet_is_slogdet_of_the_dense_precision(structure, x64):
     post = fit("mlp", structure, x64)
     for tau in (0.3, jnp.array([0.2, 1.5, 4.0])):
       got = float(kfl.laplace.logdet(post, tau))
-      sign, want = np.linalg.slogdet(np.asarray(
-          kfl.laplace.dense_precision(post, tau), np.float64))
+      dense = np.asarray(kfl.laplace.dense_precision(post, tau), np.float64)
+      sign, want = np.linalg.slogdet(dense)
       assert sign == 1
-      np.testing.assert_allclose(got, want, rtol=1e-8 if x64 else 1e-5)
+      _close_logdet(got, want, dense, x64)
   if not x64:  # A stacked layer.
     for model in ("scan", "zoo"):  # Stacked, conv, embedding, norm blocks.
       other = fit(model, structure, False)
       tau = jnp.linspace(0.5, 2.0, len(other.layer_names))
       got = float(kfl.laplace.logdet(other, tau))
-      want = np.linalg.slogdet(np.asarray(
-          kfl.laplace.dense_precision(other, tau), np.float64))[1]
-      np.testing.assert_allclose(got, want, rtol=1e-5)
+      dense = np.asarray(kfl.laplace.dense_precision(other, tau), np.float64)
+      _close_logdet(got, np.linalg.slogdet(dense)[1], dense, False)
 
 
 @pytest.mark.parametrize("structure", STRUCTURES)
@@ -428,13 +437,16 @@ def test_glm_predictive_is_j_inverse_precision_jt(structure):
   mp, (x, y), _, _ = _data(False)
   tau = jnp.array([0.5, 2.0, 1.0])
   jac = _jacobians(mlp, mp, x)
-  cov = np.linalg.inv(np.asarray(kfl.laplace.dense_precision(post, tau),
-                                 np.float64))
+  precision = np.asarray(kfl.laplace.dense_precision(post, tau), np.float64)
+  cov = np.linalg.inv(precision)
   want = np.einsum("nop,pq,nrq->nor", jac, cov, jac)
   mean, got = kfl.laplace.glm_moments(post, mlp, x, tau)
-  np.testing.assert_allclose(np.asarray(mean), np.asarray(mlp(mp, x)),
-                             rtol=1e-6)
-  _close(got, want, False)
+  # The same MLP in two programs: ≤ 4 chained reductions of ≤ 4 terms.
+  assert_rounding_close(mean, mlp(mp, x), terms=4, depth=4)
+  # J P⁻¹ Jᵀ at the size of its terms |J| |P⁻¹| |J|ᵀ, a solve of condition
+  # κ(P) away from the precision's rounding.
+  size = np.einsum("nop,pq,nrq->nor", np.abs(jac), np.abs(cov), np.abs(jac))
+  _close(got, want, False, scale=size.max(), cond=np.linalg.cond(precision))
   probs = kfl.laplace.predictive(post, mlp, x, tau)  # GLM, probit.
   kappa = 1 / np.sqrt(1 + np.pi / 8 * np.einsum("noo->no", want))
   np.testing.assert_allclose(np.asarray(probs), np.asarray(
@@ -458,10 +470,12 @@ def test_predictive_regression_and_parameter_samples():
   post = fit("scan", "kron", False)
   _, _, sp, (xs, _) = _data(False)
   jac = _jacobians(scan_net, sp, xs)
-  cov = np.linalg.inv(np.asarray(kfl.laplace.dense_precision(post, 1.0),
-                                 np.float64))
+  precision = np.asarray(kfl.laplace.dense_precision(post, 1.0), np.float64)
+  cov = np.linalg.inv(precision)
   mean, got = kfl.laplace.predictive(post, scan_net, xs, 1.0)
-  _close(got, np.einsum("nop,pq,nrq->nor", jac, cov, jac), False)
+  size = np.einsum("nop,pq,nrq->nor", np.abs(jac), np.abs(cov), np.abs(jac))
+  _close(got, np.einsum("nop,pq,nrq->nor", jac, cov, jac), False,
+         scale=size.max(), cond=np.linalg.cond(precision))
   # Parameter samples: the mean output and its covariance, close to the
   # linearisation at a tight posterior.
   tight = 1e3

@@ -9,13 +9,16 @@ against the ``batch=`` style, by value, and the structure of ``update``.
 * ``update`` lowers to one conditional for the periodic refresh (plus one
   for ``cov_every > 1``), whatever the number of layers.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kfac_jax_lite as kfl
-from _helpers import flat, x64_mode
+from _helpers import (assert_rounding_close, flat, kron_cond_bound,
+                      x64_mode)
 
 SIZES = (5, 7, 4)
 N = 12
@@ -66,16 +69,20 @@ def test_stats_fraction_one_pass_equals_batch_path(x64, estimation):
 
     # The loss and gradient are the whole batch's.
     loss, grads = jax.value_and_grad(plain_loss)(params, batch)
-    tol = dict(rtol=1e-12, atol=1e-12) if x64 else dict(rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(est.loss, loss, **tol)
-    np.testing.assert_allclose(flat(est.grads), flat(grads), **tol)
+    # Two programs computing one value: 2 layers forward and back and the
+    # softmax (≤ 6 chained reductions), the mean over N examples the longest.
+    close = functools.partial(assert_rounding_close, terms=N, depth=6)
+    close(est.loss, loss)
+    for g, want in zip(jax.tree.leaves(est.grads), jax.tree.leaves(grads)):
+      close(g, want)
     assert est.loss.dtype == dtype and est.weights.shape == (3,)
 
     # The statistics are those of the first 3 examples alone.
     sliced = jax.tree.map(lambda x: x[:3], batch)
     alone = jax.jit(kfl.value_grad_and_stats(
         plain_loss, params, sliced, estimation=estimation))(params, sliced, key)
-    np.testing.assert_allclose(flat(est.stats), flat(alone.stats), **tol)
+    for s, want in zip(jax.tree.leaves(est.stats), jax.tree.leaves(alone.stats)):
+      close(s, want)
     full = jax.jit(kfl.value_grad_and_stats(
         plain_loss, params, batch, estimation=estimation))(params, batch, key)
     assert not np.allclose(flat(est.stats), flat(full.stats), rtol=1e-3)
@@ -85,9 +92,13 @@ def test_stats_fraction_one_pass_equals_batch_path(x64, estimation):
     state = tx.init(params)
     u_batch, s_batch = update(grads, state, params, batch=batch)
     u_stats, s_stats = update(est.grads, state, params, stats=est.stats)
-    np.testing.assert_allclose(flat(s_stats.blocks), flat(s_batch.blocks),
-                               **tol)
-    np.testing.assert_allclose(flat(u_stats), flat(u_batch), **tol)
+    for s, want in zip(jax.tree.leaves(s_stats.blocks),
+                       jax.tree.leaves(s_batch.blocks)):
+      close(s, want)
+    # The updates solve with the damped curvature: κ amplifies the rest.
+    kappa = kron_cond_bound(est.stats, 1e-2)
+    for u, want in zip(jax.tree.leaves(u_stats), jax.tree.leaves(u_batch)):
+      close(u, want, cond=kappa)
     assert all(x.dtype == dtype for x in jax.tree.leaves(u_stats))
     # And it is preconditioned: not the gradient.
     assert not np.allclose(flat(u_stats), flat(grads), rtol=1e-2)

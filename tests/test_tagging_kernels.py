@@ -23,7 +23,8 @@ import pytest
 from jax import lax
 
 import kfac_jax_lite as kfl
-from _helpers import x64_mode
+from _helpers import (assert_paths_rounding_close, assert_rounding_close,
+                      x64_mode)
 
 N, T, D, H, E = 3, 4, 4, 2, 3
 
@@ -185,25 +186,31 @@ def test_rebuilds_per_example_gradients(name, dtype):
       assert e[5] in r.notes, str(rows)
     per_ex, ref = _per_example(loss, p, batch)
     assert set(per_ex) == set(ref)
-    tol = 1e-5 if dtype == "float32" else 1e-12
     for path, g in per_ex.items():
       assert g.dtype == jnp.dtype(dtype), path
-      np.testing.assert_allclose(g, ref[path], rtol=100 * tol, atol=tol,
-                                 err_msg=path)
+    # Both sides chain ≤ 12 reductions (5 forward, 5 backward, the sum over
+    # the uses; the siamese one's scan 2 more), none longer than the
+    # siamese gradient's 2·25 uses (the attention's are ≤ 2·T).
+    assert_paths_rounding_close(per_ex, ref, terms=50 if name == "siamese"
+                                else 2 * T, depth=12)
 
 
-def _close(a, b):
-  np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+def _close(a, b, rows):
+  # Two computations of one statistic (the algebra, so in float64): a sum
+  # over ``rows`` of products of cotangents that each went through about as
+  # long a chain of products again (the head, the attention, the window).
+  assert_rounding_close(a, b, terms=rows, depth=2)
 
 
 def test_fused_kernel_statistics_are_the_whole_layers():
-  p, x = _setup("fused_slices", jnp.float32)
-  want = _stats(fused_output, p, x)["qkv/w"]
-  for loss in (fused_slices, fused_split):
-    got = _stats(loss, p, x)["qkv/w"]
-    _close(got.a, want.a)
-    _close(got.g, want.g)
-    assert want.g.shape == (1, 3 * D, 3 * D)
+  with x64_mode(True):
+    p, x = _setup("fused_slices", jnp.float64)
+    want = _stats(fused_output, p, x)["qkv/w"]
+    for loss in (fused_slices, fused_split):
+      got = _stats(loss, p, x)["qkv/w"]
+      _close(got.a, want.a, N * T)
+      _close(got.g, want.g, N * T)
+      assert want.g.shape == (1, 3 * D, 3 * D)
 
 
 def test_sliced_kernel_bias_of_other_columns_is_not_its_bias():
@@ -228,21 +235,24 @@ def test_kernel_sliced_along_its_input_axis_falls_back():
 
 
 def test_per_head_kernels_are_one_block_per_head():
-  p, x = _setup("heads", jnp.float32)
-  apart = {"o": p["o"], **{f"w{h}": p["w"][h] for h in range(H)},
-           **{f"b{h}": p["b"][h] for h in range(H)}}
-  got, want = _stats(heads, p, x)["w"], _stats(heads_apart, apart, x)
-  for h in range(H):
-    _close(got.a[h], want[f"w{h}"].a)
-    _close(got.g[h], want[f"w{h}"].g)
+  with x64_mode(True):
+    p, x = _setup("heads", jnp.float64)
+    apart = {"o": p["o"], **{f"w{h}": p["w"][h] for h in range(H)},
+             **{f"b{h}": p["b"][h] for h in range(H)}}
+    got, want = _stats(heads, p, x)["w"], _stats(heads_apart, apart, x)
+    for h in range(H):
+      _close(got.a[h], want[f"w{h}"].a, N * T)
+      _close(got.g[h], want[f"w{h}"].g, N * T)
 
 
 def test_conv_used_twice_averages_inputs_and_sums_outputs():
-  p, b = _setup("siamese", jnp.float32)
-  apart = {"k1": p["k"], "k2": p["k"], "b1": p["b"], "b2": p["b"]}
-  shared = {"k": p["k"], "b": p["b"]}
-  loss = lambda q, b: siamese_apart({"k1": q["k"], "k2": q["k"],
-                                     "b1": q["b"], "b2": q["b"]}, b)
-  got, want = _stats(loss, shared, b)["k"], _stats(siamese_apart, apart, b)
-  _close(got.a, (want["k1"].a + want["k2"].a) / 2)
-  _close(got.g, want["k1"].g + want["k2"].g)
+  with x64_mode(True):
+    p, b = _setup("siamese", jnp.float64)
+    apart = {"k1": p["k"], "k2": p["k"], "b1": p["b"], "b2": p["b"]}
+    shared = {"k": p["k"], "b": p["b"]}
+    loss = lambda q, b: siamese_apart({"k1": q["k"], "k2": q["k"],
+                                       "b1": q["b"], "b2": q["b"]}, b)
+    got, want = _stats(loss, shared, b)["k"], _stats(siamese_apart, apart, b)
+    rows = 2 * N * 5 * 5  # Two uses of N 5x5 images.
+    _close(got.a, (want["k1"].a + want["k2"].a) / 2, rows)
+    _close(got.g, want["k1"].g + want["k2"].g, rows)
