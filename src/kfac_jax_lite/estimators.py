@@ -61,6 +61,8 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_lite import tagging
+from kfac_jax_lite._fraction import (  # noqa: F401 (re-exported)
+    check_stats_fraction, stats_batch_size, stats_slice)
 
 ESTIMATIONS = ("fisher", "empirical", "curvature_prop", "exact",
                "curvature_prop_ggn", "exact_ggn")
@@ -364,52 +366,6 @@ def _batch_size(batch):
 def _float(dtype):
   """At least float32; float64 stays float64 (``jax_enable_x64``)."""
   return jnp.result_type(jnp.float32, dtype)
-
-
-def stats_batch_size(batch, fraction, where="kfac"):
-  """The number of examples the statistics see: ``round(N · fraction)``.
-
-  ``batch``: the batch (arrays sharing a leading batch size ``N``);
-  ``fraction``: the share in ``(0, 1]``; ``where``: the caller, named in
-  errors. Returns None for ``fraction = 1`` and a batch without one
-  leading size (the statistics then see the whole batch, whatever it is).
-  Raises ``ValueError`` for an empty batch, and for a ``fraction`` that
-  leaves fewer than 2 examples (one example's statistics are a rank-one
-  curvature: its damped inverse blows the update up by ``1/damping``).
-  """
-  n = tagging.batch_size(batch)
-  if n is None:
-    if fraction < 1.0:
-      raise ValueError(f"{where}: stats_fraction < 1 needs batch arrays that "
-                       "share one leading batch size")
-    return None
-  if n == 0:
-    raise ValueError(f"{where}: the batch is empty (its arrays have a leading "
-                     "batch size of 0)")
-  if fraction >= 1.0:
-    return n
-  k = int(round(n * fraction))
-  if k < 2:
-    raise ValueError(
-        f"{where}: stats_fraction={fraction} leaves {k} example(s) of a "
-        f"batch of {n} for the statistics; they need at least 2 (use a "
-        "larger stats_fraction or batch)")
-  return k
-
-
-def stats_slice(batch, fraction, where="kfac"):
-  """The first ``stats_batch_size(batch, fraction)`` examples of ``batch``
-  (scalars are kept as they are); the whole batch for ``fraction = 1``."""
-  if fraction >= 1.0:
-    return batch
-  k = stats_batch_size(batch, fraction, where)
-  return jax.tree.map(lambda x: x[:k] if jnp.ndim(x) else x, batch)
-
-
-def check_stats_fraction(stats_fraction):
-  """A ``stats_fraction`` must be in ``(0, 1]``."""
-  if not 0 < stats_fraction <= 1:
-    raise ValueError(f"stats_fraction must be in (0, 1], got {stats_fraction!r}")
 
 
 def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
