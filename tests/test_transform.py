@@ -127,6 +127,41 @@ def test_first_update_is_the_natural_gradient_of_the_exact_blocks():
                 rtol=2e-3, atol=1e-5)
 
 
+# The refreshed steps of 0..40, written out: every inverse_every-th step
+# from 0, and while the statistics are young (below inverse_every) the
+# powers of two.
+REFRESHES = {
+    1: set(range(41)),
+    2: {0, 1} | set(range(0, 41, 2)),
+    10: {0, 1, 2, 4, 8, 10, 20, 30, 40},
+}
+
+
+@pytest.mark.parametrize("inverse_every", sorted(REFRESHES))
+def test_refresh_schedule_is_every_period_and_early_powers_of_two(
+    inverse_every):
+  due = np.asarray(kfl.transform.is_refresh_step(jnp.arange(41),
+                                                 inverse_every))
+  assert set(np.flatnonzero(due)) == REFRESHES[inverse_every]
+  if inverse_every != 10:
+    return
+  # Through kfl.kfac: the steps whose update left caches stamped with
+  # their own step (every factor of every block is refreshed together).
+  tx, update = compiled(**EXACT)
+  params = init_params()
+  grads = jax.grad(loss_fn)(params, BATCH)
+  state, refreshed = tx.init(params), set()
+  for step in range(41):
+    _, state = update(grads, state, params, batch=BATCH)
+    stamps = {int(f.cache.step) for f in jax.tree.leaves(
+        state.blocks, is_leaf=lambda x: isinstance(x, kfl.FactorState))
+        if isinstance(f, kfl.FactorState)}
+    assert len(stamps) == 1, (step, stamps)
+    if stamps == {step}:
+      refreshed.add(step)
+  assert refreshed == REFRESHES[10]
+
+
 def test_state_round_trips_and_training_resumes_bit_for_bit():
   tx = optax.chain(kfl.kfac(loss_fn, BATCH, damping=1e-2, inverse_every=4),
                    optax.sgd(0.1, momentum=0.9))
