@@ -149,12 +149,15 @@ def ratio(per_draw, exact):
   return r.mean(), r.std(ddof=1) / math.sqrt(len(r))
 
 
-def table(draws=300, seed=0):
-  """Rows ``(loss, k, weight sharing, layer, mode, r, se)``."""
+def table(draws=300, seed=0, names=None):
+  """Rows ``(loss, k, weight sharing, layer, mode, r, se)`` for the losses
+  ``names`` (default: all of ``LOSSES``)."""
   rows = []
   with jax.enable_x64(True):
     params, batch = data()
     for name, (_, _, k) in LOSSES.items():
+      if names is not None and name not in names:
+        continue
       for ws in WEIGHT_SHARING:
         out = draws_fn(name, ws, draws)(params, batch,
                                          jax.random.PRNGKey(seed))
