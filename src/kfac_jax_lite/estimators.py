@@ -415,7 +415,7 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
     estimation: how the output cotangents behind the statistics are drawn
       (module docstring): ``"fisher"`` (targets sampled from the model's
       registered predictive distribution: the true Fisher), ``"empirical"``
-      (the data targets; works without a registered loss),
+      (``"fisher"`` at the data targets; works without a registered loss),
       ``"curvature_prop"`` (Rademacher projections of a square root of the
       output Fisher), ``"exact"`` (all its columns: the exact Kronecker
       factors, cost × output size), and ``"curvature_prop_ggn"``,
