@@ -224,3 +224,18 @@ def test_profile_shares_each_moment_among_the_kernels_running():
   hlo = '\n  %copy.2 = f32[3,4]{1,0} copy(%p), metadata={op_name="jit(f)/transpose"}\n'
   assert P.hlo_info(hlo, "copy.2") == ("f32[3,4]{1,0}", "jit(f)/transpose")
   assert P.hlo_info(hlo, "copy.9") == ("?", "")
+
+
+def test_estimator_scale_prints_the_convention():
+  """``estimator_scale.py``'s Monte Carlo ratios for per-token
+  cross-entropy (k = 4 elements per example, where the empirical Fisher
+  was 1/4 of the Fisher): every cell within 5 of its standard errors of 1."""
+  scale = importlib.import_module("estimator_scale")
+  name = "CE per token, mean over N·T"
+  rows = scale.table(draws=64, names=[name])
+  assert sorted(r[2:5] for r in rows) == sorted(
+      (ws, layer, mode) for ws in ("expand", "reduce")
+      for layer in ("conv", "dense") for mode in ("empirical", "fisher"))
+  for _, k, ws, layer, mode, r, se in rows:
+    assert k == 4 and 0 < se < 0.2 and abs(r - 1) < 5 * se, (ws, layer, mode,
+                                                            r, se)

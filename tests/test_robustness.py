@@ -151,6 +151,35 @@ def test_block_without_statistics_passes_the_gradient_through():
   assert kfl.health(state).unready_blocks == 0
 
 
+def test_a_block_with_one_factor_decomposed_is_unready():
+  """A block is ready when *every* factor has a decomposition: one whose
+  ``G`` has none (``cache.step = -1``, as after a first decomposition that
+  failed, with no good one to keep) while its ``A`` has one is unready,
+  for the transform (``is_ready``: it passes its gradient through) and for
+  ``kfl.health``, which counts it once."""
+  tx, update = _jitted_update(damping=1e-2, estimation="exact", norm_constraint=None)
+  params = init_params()
+  _, state = update(jax.grad(loss_fn)(params, BATCH), tx.init(params), params,
+                    batch=BATCH)
+  assert kfl.health(state).ok
+
+  def unready(state, name, factors):
+    block = state.blocks[name]
+    block = block._replace(**{f: getattr(block, f)._replace(
+        cache=getattr(block, f).cache._replace(step=jnp.asarray(-1, jnp.int32)))
+        for f in factors})
+    return state._replace(blocks=dict(state.blocks, **{name: block}))
+
+  half = unready(state, "dense0/w", ["g"])
+  assert int(half.blocks["dense0/w"].a.cache.step) == 0
+  assert not bool(kfl.transform.is_ready(half.blocks["dense0/w"]))
+  health = kfl.health(half)
+  assert health.unready_blocks == 1 and not health.ok
+  assert "unready blocks 1" in str(health)
+  both = unready(half, "dense1/w", ["a", "g"])
+  assert kfl.health(both).unready_blocks == 2
+
+
 def test_nan_first_batch_does_not_leave_a_run_on_damping_alone():
   """The issue's case: a NaN in the very first batch (the update norm then
   reached 18.8 against 1.3 in a clean run, preconditioned by the damping

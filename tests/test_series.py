@@ -358,9 +358,12 @@ def test_series_choices_and_errors():
 def test_scan_statistics_are_the_steps_in_order():
   """Through ``kfl.value_grad_and_stats`` (float64, empirical): the series
   statistics of the RNN's two recurrent kernels are the lagged moments of
-  the step inputs (``x_t`` and ``h_{t-1}``) and of the per-example
-  gradients with respect to each step's gate pre-activation, formed by
-  brute force (a perturbation added at every step)."""
+  the step inputs (``x_t`` and ``h_{t-1}``) and of the cotangents of each
+  step's gate pre-activation, formed by brute force (a perturbation added
+  at every step). The loss has T elements of weight ``1/(NT)`` per example
+  (a squared error at every step), so "empirical" ("fisher" at the data
+  targets) backpropagates ``Σ_t √(c_nt/c_n) ∇ℓ_nt``: ``√T`` times the
+  per-example gradient of the mean over steps."""
   with x64_mode(True):
     params, batch = rnn_setup(jnp.float64)
     blocks = {"cell/w*": "series2"}
@@ -381,7 +384,8 @@ def test_scan_statistics_are_the_steps_in_order():
 
     e = jnp.zeros((T, N, H), jnp.float64)
     cot, hs = jax.grad(perturbed, has_aux=True)(e, params)
-    g = np.asarray(jnp.swapaxes(cot, 0, 1)) * N  # ∂ℓ_n/∂z_t, [N, T, H].
+    # √T ∂ℓ_n/∂z_t, [N, T, H], ℓ_n the mean over the steps.
+    g = np.asarray(jnp.swapaxes(cot, 0, 1)) * N * np.sqrt(T)
     h_prev = np.concatenate([np.zeros((N, 1, H)),
                              np.asarray(jnp.swapaxes(hs, 0, 1))[:, :-1]], 1)
     for name, a in (("cell/wx", np.asarray(batch["x"])), ("cell/wh", h_prev)):

@@ -43,6 +43,13 @@ def make_batch(seed, n=N):
 BATCH = make_batch(0)
 
 
+def train_step(tx, params, state, batch):
+  """One step of ``tx`` on ``loss_fn``: ``(params, state)`` after it."""
+  grads = jax.grad(loss_fn)(params, batch)
+  updates, state = tx.update(grads, state, params, batch=batch)
+  return optax.apply_updates(params, updates), state
+
+
 def train(tx, steps, params=None, batches=None, state=None):
   params = init_params() if params is None else params
   state = tx.init(params) if state is None else state
@@ -61,14 +68,70 @@ def train(tx, steps, params=None, batches=None, state=None):
   return params, state, losses
 
 
+def _hand_composed(name, kfac):
+  """``(init, update)`` of the chain written by hand around ``kfac``
+  (without KL clipping, so linear in the gradient it is given): clipping
+  to global norm 0.1 (``"clip"``) as a factor on K-FAC's update of the raw
+  gradient, then SGD with momentum 0.9 at lr 0.1 (``"sgd"``, ``"clip"``)
+  or Adam at 3e-2 (b1 0.9, b2 0.999, eps 1e-8, bias-corrected)."""
+  def init(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return kfac.init(params), zeros, zeros, jnp.zeros([], jnp.int32)
+
+  def update(grads, state, params, batch):
+    kstate, m, v, t = state
+    u, kstate = kfac.update(grads, kstate, params, batch=batch)
+    if name == "clip":
+      norm = jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads)))
+      u = jax.tree.map(lambda x: x * jnp.minimum(1.0, 0.1 / norm), u)
+    t = t + 1
+    if name == "adam":
+      m = jax.tree.map(lambda m, u: 0.9 * m + 0.1 * u, m, u)
+      v = jax.tree.map(lambda v, u: 0.999 * v + 0.001 * u ** 2, v, u)
+      step = jax.tree.map(lambda m, v: -3e-2 * (m / (1 - 0.9 ** t)) / (
+          jnp.sqrt(v / (1 - 0.999 ** t)) + 1e-8), m, v)
+    else:
+      m = jax.tree.map(lambda m, u: u + 0.9 * m, m, u)
+      step = jax.tree.map(lambda m: -0.1 * m, m)
+    return step, (kstate, m, v, t), norm if name == "clip" else jnp.inf
+  return init, update
+
+
 @pytest.mark.parametrize("name", ["sgd", "adam", "clip"])
-def test_chains_with_optax_and_trains(name):
-  kfac = kfl.kfac(loss_fn, BATCH, damping=1e-2, inverse_every=3)
+def test_chains_with_optax_as_composed_by_hand_and_trains(name):
+  # The chain's update against the same composition written by hand, from
+  # the same parameters at each of 30 steps (refreshes at 0, 1, 2, 3, 6...).
+  kfac = kfl.kfac(loss_fn, BATCH, damping=1e-2, inverse_every=3,
+                  norm_constraint=None)
   tx = {"sgd": optax.chain(kfac, optax.sgd(0.1, momentum=0.9)),
         "adam": optax.chain(kfac, optax.adam(3e-2)),
-        "clip": optax.chain(optax.clip_by_global_norm(1.0), kfac,
+        "clip": optax.chain(optax.clip_by_global_norm(0.1), kfac,
                             optax.sgd(0.1, momentum=0.9))}[name]
-  _, state, losses = train(tx, 30)
+  hand_init, hand_update = _hand_composed(name, kfac)
+
+  @jax.jit
+  def step(params, state, hand, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params, batch=batch)
+    want, hand, norm = hand_update(grads, hand, params, batch)
+    return (optax.apply_updates(params, updates), state, hand, updates, want,
+            norm)
+
+  params = init_params()
+  state, hand = tx.init(params), hand_init(params)
+  losses = []
+  for i in range(30):
+    losses.append(float(loss_fn(params, BATCH)))
+    params, state, hand, got, want, norm = step(params, state, hand, BATCH)
+    if i < 5:
+      assert float(norm) > 0.1  # The clipping is active (or not "clip").
+    # float32 rounding of K-FAC's products of a rescaled gradient (sums of
+    # ≤ 40 terms × unit roundoff 6e-8 ≈ 2.4e-6 of the update's scale; 4.6e-7
+    # measured) and the optimizers' few operations per entry.
+    scale = max(float(jnp.abs(x).max()) for x in jax.tree.leaves(want))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=2.5e-6, atol=2.5e-6 * scale,
+                                 err_msg=f"{name} step {i}")
   assert losses[-1] < 0.5 * losses[0], losses
   kstate = state[1] if name == "clip" else state[0]
   assert int(kstate.count) == 30 and int(kstate.num_bad_grads) == 0
@@ -127,20 +190,76 @@ def test_first_update_is_the_natural_gradient_of_the_exact_blocks():
                 rtol=2e-3, atol=1e-5)
 
 
+# The refreshed steps of 0..40, written out: every inverse_every-th step
+# from 0, and while the statistics are young (below inverse_every) the
+# powers of two.
+REFRESHES = {
+    1: set(range(41)),
+    2: {0, 1} | set(range(0, 41, 2)),
+    10: {0, 1, 2, 4, 8, 10, 20, 30, 40},
+}
+
+
+@pytest.mark.parametrize("inverse_every", sorted(REFRESHES))
+def test_refresh_schedule_is_every_period_and_early_powers_of_two(
+    inverse_every):
+  due = np.asarray(kfl.transform.is_refresh_step(jnp.arange(41),
+                                                 inverse_every))
+  assert set(np.flatnonzero(due)) == REFRESHES[inverse_every]
+  if inverse_every != 10:
+    return
+  # Through kfl.kfac: the steps whose update left caches stamped with
+  # their own step (every factor of every block is refreshed together).
+  tx, update = compiled(**EXACT)
+  params = init_params()
+  grads = jax.grad(loss_fn)(params, BATCH)
+  state, refreshed = tx.init(params), set()
+  for step in range(41):
+    _, state = update(grads, state, params, batch=BATCH)
+    stamps = {int(f.cache.step) for f in jax.tree.leaves(
+        state.blocks, is_leaf=lambda x: isinstance(x, kfl.FactorState))
+        if isinstance(f, kfl.FactorState)}
+    assert len(stamps) == 1, (step, stamps)
+    if stamps == {step}:
+      refreshed.add(step)
+  assert refreshed == REFRESHES[10]
+
+
 def test_state_round_trips_and_training_resumes_bit_for_bit():
+  # A checkpoint after 5 of 10 steps (sampled Fisher: the state's PRNG key
+  # matters too) restores exactly, and resuming from it reproduces the
+  # uninterrupted run bit for bit; resuming the same parameters with a
+  # fresh optimizer state, or with only the K-FAC part fresh, does not
+  # (so the checkpointed state is what the equality rests on).
   tx = optax.chain(kfl.kfac(loss_fn, BATCH, damping=1e-2, inverse_every=4),
                    optax.sgd(0.1, momentum=0.9))
   batches = [make_batch(i) for i in range(10)]
-  full_params, full_state, _ = train(tx, 10, batches=batches)
-  params, state, _ = train(tx, 5, batches=batches[:5])
-  blob = flax.serialization.to_bytes((params, state))
-  template = (init_params(), tx.init(init_params()))
-  params2, state2 = flax.serialization.from_bytes(template, blob)
-  params2, state2, _ = train(tx, 5, params=params2, state=state2,
-                             batches=batches[5:])
-  for a, b in zip(jax.tree.leaves((full_params, full_state)),
-                  jax.tree.leaves((params2, state2))):
+  step = jax.jit(lambda p, st, b: train_step(tx, p, st, b))
+
+  def run(params, state, batches):
+    for batch in batches:
+      params, state = step(params, state, batch)
+    return params, state
+
+  start = (init_params(), tx.init(init_params()))
+  full = run(*start, batches)
+  half = run(*start, batches[:5])
+  restored = flax.serialization.from_bytes(
+      start, flax.serialization.to_bytes(half))
+  assert jax.tree.structure(restored) == jax.tree.structure(half)
+  for a, b in zip(jax.tree.leaves(half), jax.tree.leaves(restored)):
+    assert a.dtype == b.dtype
     np.testing.assert_array_equal(a, b)
+  params, state = restored
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(
+      run(params, state, batches[5:]))):
+    np.testing.assert_array_equal(a, b)
+  fresh_kfac = (start[1][0],) + tuple(state[1:])
+  for other in (start[1], fresh_kfac):
+    got, _ = run(params, other, batches[5:])
+    diff = max(float(jnp.abs(a - b).max()) for a, b in zip(
+        jax.tree.leaves(got), jax.tree.leaves(full[0])))
+    assert diff > 1e-3, diff
 
 
 def test_nan_batch_is_survived_and_counted():

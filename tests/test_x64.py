@@ -71,8 +71,12 @@ def brute_factors(params, batch, mode):
   """Per layer ``(A, G)`` from per-example Jacobians ``∂logits/∂s_l``.
 
   ``exact``: ``G = Σ_i c_i J_iᵀ M_i J_i`` with the softmax Fisher ``M_i``;
-  ``empirical``: ``G = Σ_i c_i ∇_{s}ℓ_i ∇_{s}ℓ_iᵀ`` of the per-example mean
-  squared error ``ℓ_i = mean_k (o_ik - t_ik)²``. ``c_i = 1/N``.
+  ``per_example``: ``G = Σ_i c_i ∇_{s}ℓ_i ∇_{s}ℓ_iᵀ`` of the per-example mean
+  squared error ``ℓ_i = mean_k (o_ik - t_ik)²`` (what ``"empirical"`` gives
+  a loss it cannot see the elements of); ``empirical``: the registered
+  loss's, ``G = Σ_i c_i h_i h_iᵀ`` with ``h_i = Σ_k √(c_ik/c_i) ∇_{s}ℓ_ik``
+  over the C elements ``ℓ_ik = (o_ik - t_ik)²`` of weight ``c_ik = 1/(NC)``
+  ("fisher" with the data's targets). ``c_i = 1/N``.
   """
   logits, hs, ss = net(params, batch["x"])
   out = []
@@ -90,8 +94,10 @@ def brute_factors(params, batch, mode):
       m = np.stack([np.diag(q) - np.outer(q, q) for q in p])
       big_g = np.einsum("nci,ncd,ndj->ij", jac, m, jac) / N
     else:
-      r = 2 * (np.asarray(logits) - np.asarray(batch["t"])) / logits.shape[1]
-      grad_s = np.einsum("nc,nci->ni", r, jac)  # ∇_s ℓ_i
+      c = logits.shape[1]
+      r = 2 * (np.asarray(logits) - np.asarray(batch["t"]))  # ∇_o ℓ_ik
+      r = r / c if mode == "per_example" else r / np.sqrt(c)
+      grad_s = np.einsum("nc,nci->ni", r, jac)  # ∇_s ℓ_i, or h_i
       big_g = grad_s.T @ grad_s / N
     out.append((big_a, big_g))
   return out
@@ -143,7 +149,8 @@ def test_kfac_update_matches_brute_force_in_float64(loss_name, estimation,
     floats = [x for x in jax.tree.leaves(state.blocks)
               if jnp.issubdtype(x.dtype, jnp.floating)]
     assert floats and all(x.dtype == jnp.float64 for x in floats)
-    mode = "exact" if estimation.startswith("exact") else "empirical"
+    mode = {"classifier": "exact", "registered_mse": "empirical",
+            "handwritten_mse": "per_example"}[loss_name]
     want = brute_update(params, grads, batch, mode, damping_mode)
     for got_layer, want_layer in zip(updates, want):
       for k in ("w", "b"):
@@ -151,9 +158,12 @@ def test_kfac_update_matches_brute_force_in_float64(loss_name, estimation,
             got_layer[k], want_layer[k]))
 
 
-def test_one_empirical_fisher_for_registered_and_handwritten_losses():
-  """``kfl.squared_error(o, t).mean()`` and ``jnp.mean((o - t) ** 2)``:
-  the same per-example empirical statistics (also in float32)."""
+def test_empirical_fisher_of_a_registered_loss_and_of_one_written_by_hand():
+  """``kfl.squared_error(o, t).mean()`` over C outputs: the registered
+  loss's elements are seen, so "empirical" is "fisher" at the data
+  targets, C times the per-example-gradient statistics that
+  ``jnp.mean((o - t) ** 2)`` (no elements to see) gets; the input factors
+  are the same (also in float32)."""
   for enabled in (False, True):
     with x64_mode(enabled):
       dtype = jnp.float64 if enabled else jnp.float32
@@ -164,16 +174,17 @@ def test_one_empirical_fisher_for_registered_and_handwritten_losses():
           params, batch, jax.random.PRNGKey(0))  # One compile for both.
       tol = 1e-12 if enabled else 1e-5
       for name in stats[0]:
-        for x, y in zip(jax.tree.leaves(stats[0][name]),
-                        jax.tree.leaves(stats[1][name])):
-          assert x.dtype == y.dtype == dtype
-          assert rel_err(x, y) < tol, name
-      # And both equal the brute-force per-example gradients' G.
+        reg, hand = stats[0][name], stats[1][name]
+        assert reg.g.dtype == hand.g.dtype == dtype
+        assert rel_err(reg.a, hand.a) < tol, name
+        assert rel_err(reg.g, SIZES[-1] * hand.g) < tol, name
+      # And both equal their brute force.
       if enabled:
-        for (big_a, big_g), name in zip(brute_factors(params, batch, "emp"),
-                                        sorted(stats[0])):
-          assert rel_err(stats[0][name].g[0], big_g) < RTOL, name
-          assert rel_err(stats[0][name].a[0], big_a) < RTOL, name
+        for mode, got in (("empirical", stats[0]), ("per_example", stats[1])):
+          for (big_a, big_g), name in zip(brute_factors(params, batch, mode),
+                                          sorted(got)):
+            assert rel_err(got[name].g[0], big_g) < RTOL, (mode, name)
+            assert rel_err(got[name].a[0], big_a) < RTOL, (mode, name)
 
 
 LOSSES = {

@@ -1,30 +1,54 @@
 """Curvature estimators: the loss, its gradient and every block's statistics
 from one forward pass.
 
-For ``L = Σ_e c_e ℓ_e`` over the loss elements ``e`` of the registered
-losses (``c_e`` read from the backward pass to the losses' per-element
-values), example ``i`` has weight ``c_i = Σ_{e ∈ i} c_e``. Each block wants
-cotangents ``h_i`` of the layer output with ``G = Σ_i c_i E[h_i h_iᵀ]``
-(``blocks.base``). They are the backward pass of a cotangent ``d_e`` put on
-the model outputs of each element:
+Scale (one definition for every estimator, loss and reduction). For
+``L = Σ_e c_e ℓ_e`` over the loss elements ``e`` of the registered losses
+(an element is one value of the loss's output: an example, a token, an
+output unit, a pixel; ``c_e`` is read from the backward pass to those
+values), example ``i`` has weight ``c_i = Σ_{e ∈ i} c_e``. The statistics
+are
+
+    A = Σ_i w_i ā_i ā_iᵀ  (w_i = c_i / Σ_j c_j),
+    G = Σ_i c_i E[h_i h_iᵀ] = Σ_e c_e J_eᵀ M_e J_e  (in expectation),
+
+``J_e`` the Jacobian of element ``e``'s model outputs in the layer output,
+``M_e`` the element's output Fisher (GGN for the ``_ggn`` modes), for a
+layer used once per example (a shared layer's block sums or aggregates
+over its positions, ``blocks.dense``). So
+``A ⊗ G`` is the curvature of ``L`` as written: a mean over ``N``
+examples has ``c_e = 1/N``, a sum ``c_e = 1``, a mean over ``N·T``
+tokens (or pixels) ``c_e = 1/(N·T)``, a sum over ``C`` outputs then a mean
+over examples ``c_e = 1/N``, a masked mean ``c_e = m_e / Σ m`` (masked
+elements weigh 0; an example with none left is weightless). ``"fisher"``,
+``"curvature_prop"`` and ``"exact"`` have that scale (the sampled ones in
+expectation over their draws); ``"empirical"`` has it in expectation over
+targets drawn from the registered loss's own distribution.
+
+The cotangents ``h_i`` of the layer output are the backward pass of a
+cotangent ``d_e`` put on the model outputs of each element:
 
     d_e = √(c_e / c_i) · u_e,   E[u_e u_eᵀ] = M_e,
 
-where ``M_e`` is the element's output curvature and ``u_e`` depends on the
-estimation mode:
+with ``u_e`` by estimation mode:
 
 * ``"fisher"`` — ``u = ∇_o ℓ(o, t̃)`` with ``t̃`` sampled from the model
-  (``num_samples`` draws); ``M`` = the output Fisher.
-* ``"empirical"`` — the textbook empirical Fisher ``Σ_i c_i ∇ℓ_i ∇ℓ_iᵀ``
-  of the per-example losses ``ℓ_i = Σ_{e∈i} (c_e / c_i) ℓ_e`` (the
-  leading batch index is the example) at the data targets: the elements of
-  one example are not independent here, so ``d_e = (c_e / c_i) ∇_o ℓ_e(o,
-  t)`` (no square root) and ``h_i`` is ``∇ℓ_i``'s layer cotangent. It works
-  without a registered loss too: the layer cotangents of ``L`` itself are
-  used, assuming ``L`` is a mean over the batch (``c_i = 1/N``, ``h_i = N
-  ∂L/∂y_i``), so ``kfl.squared_error(o, t).mean()`` and ``jnp.mean((o -
-  t) ** 2)`` give the same statistics. Without a registered loss fallback
-  blocks see ``√N ∇L`` (no per-example gradients: exact for one example).
+  (``num_samples`` draws); ``M`` = the output Fisher. The elements of an
+  example share one backward pass: their draws are independent and their
+  scores zero-mean, so the cross terms vanish in expectation.
+* ``"empirical"`` — ``"fisher"`` with the data's targets ``t`` in place of
+  sampled ones: ``u = ∇_o ℓ(o, t)``. For one element per example this is
+  the textbook empirical Fisher ``Σ_i c_i ∇ℓ_i ∇ℓ_iᵀ``; for ``k`` elements
+  of equal weight per example it is ``k`` times that of the per-example
+  mean ``ℓ_i = (1/k) Σ_{e∈i} ℓ_e``, which keeps the expectation above (the
+  per-example gradient's outer product would be ``1/k`` of the Fisher).
+  Without a registered loss there are no elements to see: the layer
+  cotangents of ``L`` itself are used, assuming ``L`` is a mean over the
+  batch (``c_i = 1/N``, ``h_i = N ∂L/∂y_i``, the gradient of example i's
+  share of ``L`` times N), the per-example empirical Fisher: equal to the
+  registered loss's for one element per example, ``1/k`` of it for ``k``
+  elements of equal weight (``jnp.mean((o - t) ** 2)`` over ``C`` outputs
+  gives ``1/C`` of ``kfl.squared_error(o, t).mean()``). Fallback blocks
+  then see ``√N ∇L`` (no per-example gradients: exact for one example).
 * ``"curvature_prop"`` — ``u = B r`` with ``B Bᵀ = M`` and Rademacher ``r``
   (Martens et al. 2012).
 * ``"exact"`` — every column of ``B`` (one batched backward pass over the
@@ -45,8 +69,9 @@ fallbacks):
 * in ``"exact"``, ``"exact_ggn"`` and ``"empirical"`` (``PER_EXAMPLE_
   FALLBACKS``) the directions are not random, and one batch gradient's
   outer product would add cross-example terms ``J_iᵀ b_i b_jᵀ J_j``: each
-  example's own gradient is taken instead (``N`` backward passes per
-  column or sample, ``vmap``-ed), so the block is exact over a batch.
+  example's own gradient of its ``d`` is taken instead (``N`` backward
+  passes per column or sample, ``vmap``-ed), so the block has the scale
+  above over a batch.
 
 Every quantity keeps the parameters' precision: ``c``, the square roots
 and the cotangents are at least float32 and stay float64 under
@@ -61,6 +86,8 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_lite import tagging
+from kfac_jax_lite._fraction import (  # noqa: F401 (re-exported)
+    check_stats_fraction, stats_batch_size, stats_slice)
 
 ESTIMATIONS = ("fisher", "empirical", "curvature_prop", "exact",
                "curvature_prop_ggn", "exact_ggn")
@@ -147,13 +174,7 @@ def _output_cotangents(tagged, caps, c_elems, c_i, mode, key, num_samples,
     u, count = _directions(tag, outs, targets, tuple(c_elem.shape), mode, k,
                            num_samples)
     w = jnp.maximum(c_elem, 0)
-    if mode == "empirical" and scale_by_example:
-      # ∇_o ℓ_i = Σ_{e∈i} (c_e / c_i) ∇_o ℓ_e: the example's own gradient.
-      ci = c_i.reshape((-1,) + (1,) * (c_elem.ndim - 1))
-      root = jnp.where(ci > 0, w / jnp.where(ci > 0, ci, 1), 0)
-    elif mode == "empirical":  # √N ∇_o L, as without a registered loss.
-      root = w * math.sqrt(c_i.shape[0])
-    elif scale_by_example:  # √(c_e / c_i), zero for weightless examples.
+    if scale_by_example:  # √(c_e / c_i), zero for weightless examples.
       ci = c_i.reshape((-1,) + (1,) * (c_elem.ndim - 1))
       root = jnp.sqrt(jnp.where(ci > 0, w / jnp.where(ci > 0, ci, 1), 0))
     else:
@@ -230,11 +251,11 @@ def _split_by_example(directions, c_i):
   row ``(j, s)`` example ``j``'s part of sample ``s`` (zero elsewhere)
   times ``√(N c_j)``.
 
-  From directions whose example ``i`` part gives ``∂ℓ_i``'s cotangents
-  (``√(c_e/c_i) u_e`` or ``(c_e/c_i) ∇ℓ_e``), the parameter gradients of
-  the rows are ``√(N c_j) ∇ℓ_j`` per sample: their mean outer product over
-  the ``N·S`` rows is ``Σ_j c_j (1/S) Σ_s ∇ℓ_js ∇ℓ_jsᵀ``, with no
-  cross-example terms.
+  From directions whose example ``i`` part is ``d_e = √(c_e/c_i) u_e``,
+  the parameter gradients of the rows are ``√(N c_j) γ_j`` per sample
+  (``γ_j = Σ_{e∈j} J_eᵀ d_e``): their mean outer product over the ``N·S``
+  rows is ``Σ_j c_j (1/S) Σ_s γ_js γ_jsᵀ``, the layer blocks' scale, with
+  no cross-example terms.
   """
   n = c_i.shape[0]
   scale = jnp.sqrt(n * jnp.maximum(c_i, 0))
@@ -366,52 +387,6 @@ def _float(dtype):
   return jnp.result_type(jnp.float32, dtype)
 
 
-def stats_batch_size(batch, fraction, where="kfac"):
-  """The number of examples the statistics see: ``round(N · fraction)``.
-
-  ``batch``: the batch (arrays sharing a leading batch size ``N``);
-  ``fraction``: the share in ``(0, 1]``; ``where``: the caller, named in
-  errors. Returns None for ``fraction = 1`` and a batch without one
-  leading size (the statistics then see the whole batch, whatever it is).
-  Raises ``ValueError`` for an empty batch, and for a ``fraction`` that
-  leaves fewer than 2 examples (one example's statistics are a rank-one
-  curvature: its damped inverse blows the update up by ``1/damping``).
-  """
-  n = tagging.batch_size(batch)
-  if n is None:
-    if fraction < 1.0:
-      raise ValueError(f"{where}: stats_fraction < 1 needs batch arrays that "
-                       "share one leading batch size")
-    return None
-  if n == 0:
-    raise ValueError(f"{where}: the batch is empty (its arrays have a leading "
-                     "batch size of 0)")
-  if fraction >= 1.0:
-    return n
-  k = int(round(n * fraction))
-  if k < 2:
-    raise ValueError(
-        f"{where}: stats_fraction={fraction} leaves {k} example(s) of a "
-        f"batch of {n} for the statistics; they need at least 2 (use a "
-        "larger stats_fraction or batch)")
-  return k
-
-
-def stats_slice(batch, fraction, where="kfac"):
-  """The first ``stats_batch_size(batch, fraction)`` examples of ``batch``
-  (scalars are kept as they are); the whole batch for ``fraction = 1``."""
-  if fraction >= 1.0:
-    return batch
-  k = stats_batch_size(batch, fraction, where)
-  return jax.tree.map(lambda x: x[:k] if jnp.ndim(x) else x, batch)
-
-
-def check_stats_fraction(stats_fraction):
-  """A ``stats_fraction`` must be in ``(0, 1]``."""
-  if not 0 < stats_fraction <= 1:
-    raise ValueError(f"stats_fraction must be in (0, 1], got {stats_fraction!r}")
-
-
 def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
                          num_samples=1, stats_fraction=1.0, has_aux=False,
                          blocks=None, exclude=(), weight_sharing="expand",
@@ -440,7 +415,7 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
     estimation: how the output cotangents behind the statistics are drawn
       (module docstring): ``"fisher"`` (targets sampled from the model's
       registered predictive distribution: the true Fisher), ``"empirical"``
-      (the data targets; works without a registered loss),
+      (``"fisher"`` at the data targets; works without a registered loss),
       ``"curvature_prop"`` (Rademacher projections of a square root of the
       output Fisher), ``"exact"`` (all its columns: the exact Kronecker
       factors, cost × output size), and ``"curvature_prop_ggn"``,

@@ -329,7 +329,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
       "exact"`` uses the ``λ`` of every call.
     estimation: where the statistics' output cotangents come from:
       ``"fisher"`` (targets sampled from the model: the true Fisher),
-      ``"empirical"`` (the data targets; works without a registered loss),
+      ``"empirical"`` (``"fisher"`` at the data targets; any loss works),
       ``"curvature_prop"`` (Rademacher projections of the output Fisher's
       square root), ``"exact"`` (all its columns), and
       ``"curvature_prop_ggn"``/``"exact_ggn"`` (the output Hessian's: the

@@ -7,9 +7,12 @@ approximated by ``N(θ*, P⁻¹)`` with the precision
 
     P = H + diag(τ),    H = Σ_n ∇²_θ ℓ_n  (GGN / Fisher, summed over the data)
 
-and ``τ`` the *prior precision*: a scalar, or one value per layer (a layer
-is one block of ``kfl.describe``: a kernel with its bias, a norm's scale
-with its shift, a fallback group; ``post.layer_names`` gives their order).
+with ``ℓ_n`` the sum of example n's loss elements (its outputs, tokens,
+pixels; masked ones left out) whatever the loss reduces with: never
+divided by their number (``fit``). ``τ`` is the *prior precision*: a
+scalar, or one value per layer (a layer is one block of ``kfl.describe``:
+a kernel with its bias, a norm's scale with its shift, a fallback group;
+``post.layer_names`` gives their order).
 ``H`` has one of three structures: ``"kron"`` (K-FAC's ``A ⊗ G`` blocks),
 ``"diag"`` or ``"full"`` (one dense matrix, cross-layer terms included).
 

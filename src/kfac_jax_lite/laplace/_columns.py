@@ -3,22 +3,27 @@ sum to an example's curvature, cross-layer terms included.
 
 For a batch with loss ``L = Σ_e c_e ℓ_e`` over the elements ``e`` of its
 registered losses (``c_e`` read from the backward pass, as the estimators
-do) the examples' weights are rescaled to average 1 over the examples that
-count: ``w_e = c_e / c̄``, ``c̄ = Σ_e c_e / #{n : c_n > 0}`` (``c_n = Σ_{e∈n}
-c_e``), so that a mean, a sum or a masked mean all give ``Σ_n ℓ_n``. Example
-``n`` with outputs ``o_n`` (Jacobian ``J_n``) gets columns ``γ = J_nᵀ d``
-for cotangents ``d`` on its outputs, one per direction of the estimation
-mode (``u``, ``B`` as in ``kfl.estimators``):
+do) the elements' weights are rescaled to average 1 over the elements that
+count: ``w_e = c_e / c̄``, ``c̄ = Σ_e c_e / #{e : c_e > 0}`` over the
+elements of all the registered losses, so that a mean, a sum or a masked
+mean over examples, outputs, tokens or pixels all give ``Σ_e ℓ_e``, the
+sum of the elements' negative log-likelihoods (masked ones left out),
+never divided by their number per example. Example ``n`` with outputs
+``o_n`` (Jacobian ``J_n``) gets columns ``γ = J_nᵀ d`` for cotangents
+``d`` on its outputs, one per direction of the estimation mode (``u``,
+``B`` as in ``kfl.estimators``):
 
 * ``"exact"``/``"exact_ggn"`` — ``d = √w_e b_ek`` at element ``e`` only,
   for every element and column of ``B`` (``B Bᵀ`` the output Fisher /
   Hessian), so ``Σ γγᵀ = Σ_e w_e J_eᵀ B_e B_eᵀ J_e`` exactly;
 * ``"fisher"``, ``"curvature_prop"(_ggn)`` — ``d = √(w_e/S) u_e`` on all
   elements at once, S samples (cross-element terms vanish in expectation);
-* ``"empirical"`` — one column, ``d = (w_e/√w_n) ∇_o ℓ_e``: the example's
-  own gradient ``√w_n ∇ℓ_n`` (the textbook empirical Fisher). Without a
-  registered loss the loss of the batch holding example n alone is
-  differentiated (``L`` assumed a mean or a sum over examples).
+* ``"empirical"`` — ``"fisher"`` at the data's targets: one column, ``d =
+  √w_e ∇_o ℓ_e`` on all elements at once, whose expectation over targets
+  drawn from the model is the Fisher's. Without a registered loss there
+  are no elements: the loss of the batch holding example n alone is
+  differentiated (``L`` assumed a mean or a sum over examples), the
+  per-example empirical Fisher.
 
 Examples are processed one at a time (``vmap`` over single-example
 batches), so the loss must accept a batch of one.
@@ -73,11 +78,16 @@ def element_weights(tagged, params, batch):
   return loss, c_elems, c_i
 
 
-def mean_weight(c_i):
-  """``(c̄, count)``: the mean nonzero example weight and how many count."""
-  count = jnp.sum(c_i > 0)
-  total = jnp.sum(jnp.where(c_i > 0, c_i, 0))
-  return jnp.where(count > 0, total / jnp.maximum(count, 1), 1), count
+def mean_weight(c_elems, c_i):
+  """``(c̄, count)``: the mean positive element weight over all the
+  registered losses' elements ``c_elems`` (without a registered loss, the
+  mean positive example weight of ``c_i``), and how many examples count
+  (``c_n > 0``)."""
+  weights = [jnp.ravel(c) for c in c_elems] or [c_i]
+  total = sum(jnp.sum(jnp.where(c > 0, c, 0)) for c in weights)
+  elements = sum(jnp.sum(c > 0) for c in weights)
+  cbar = jnp.where(elements > 0, total / jnp.maximum(elements, 1), 1)
+  return cbar, jnp.sum(c_i > 0)
 
 
 def _directions(dist, outs, targets, w, mode, key, num_samples):
@@ -85,10 +95,8 @@ def _directions(dist, outs, targets, w, mode, key, num_samples):
   values = w.shape  # [1, *rest]
   root = lambda x: jnp.sqrt(w).reshape(values + (1,) * (x.ndim - w.ndim))
   if mode == "empirical":
-    wn = jnp.sum(w)
-    scale = jnp.where(wn > 0, w / jnp.sqrt(jnp.where(wn > 0, wn, 1)), 0)
-    g = jax.grad(lambda o: jnp.sum(scale * dist.loss(o, targets)))(outs)
-    return tuple(x[None] for x in g)
+    g = jax.grad(lambda o: jnp.sum(dist.loss(o, targets)))(outs)
+    return tuple((x * root(x))[None] for x in g)
   if mode == "fisher":
     def one(k):
       t = dist.sample(k, outs)

@@ -40,16 +40,21 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
 
       H = Σ_n ∇²_θ ℓ_n   (GGN, Fisher or empirical Fisher by ``estimation``)
 
-  summed over every example of ``batches``. The loss of a batch is read as
-  ``L = Σ_n c_n ℓ_n`` (``c_n`` from its backward pass, as the estimators
-  do) and its examples' weights are rescaled to average 1 over the
-  examples with ``c_n > 0``: a mean, a sum and a masked mean all give the
-  sum over examples. For ``"kron"`` each Kronecker block is ``A ⊗ G`` with
-  ``A`` the example-weighted *mean* of the batches' input factors and ``G``
-  the *sum* of their output factors, so ``A ⊗ G = N·E[āāᵀ] ⊗ E[ggᵀ]``
-  (laplace-torch's KFAC convention; exact for one example). Fallback
-  parameters (no layer pattern matched) get the exact diagonal of their
-  curvature from per-example gradients.
+  summed over every example of ``batches``, ``ℓ_n = Σ_{e∈n} ℓ_e`` the sum
+  of the negative log-likelihoods of example n's loss elements (outputs,
+  tokens, pixels), never divided by their number. The loss of a batch is
+  read as ``L = Σ_e c_e ℓ_e`` (``c_e`` from its backward pass, as the
+  estimators do) and its elements' weights are rescaled to average 1 over
+  the elements with ``c_e > 0`` (``_columns``): a mean, a sum, a sum over
+  outputs then a mean over examples and a masked mean all give
+  ``Σ_n ℓ_n``, the masked elements left out, and so does ``post.loss``.
+  With several registered losses one rescaling serves them all: their
+  relative weights stay as written. For ``"kron"`` each Kronecker block is
+  ``A ⊗ G`` with ``A`` the example-weighted *mean* of the batches' input
+  factors and ``G`` the *sum* of their output factors, so ``A ⊗ G =
+  N·E[āāᵀ] ⊗ E[ggᵀ]`` (laplace-torch's KFAC convention; exact for one
+  example). Fallback parameters (no layer pattern matched) get the exact
+  diagonal of their curvature from per-example gradients.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
@@ -189,7 +194,7 @@ def _batch_step(tagged, estimate, meta, estimation, num_samples):
 
   def full_step(params, batch, key):
     loss, c_elems, c_i = weights(params, batch)
-    cbar, count = _columns.mean_weight(c_i)
+    cbar, count = _columns.mean_weight(c_elems, c_i)
     leaves = tuple(range(len(meta.leaf_shapes)))
     g = columns(params, batch, key, leaves, c_elems, cbar)
     return g.T @ g, loss / cbar, count
@@ -197,7 +202,8 @@ def _batch_step(tagged, estimate, meta, estimation, num_samples):
   def blockwise_step(params, batch, key):
     k_est, k_cols = jax.random.split(key)
     est = estimate(params, batch, k_est)
-    cbar, count = _columns.mean_weight(est.weights)
+    _, c_elems, _ = weights(params, batch)  # The elements' weights.
+    cbar, count = _columns.mean_weight(c_elems, est.weights)
     stats = {}
     for l in meta.layers:
       s = est.stats[l.name]
@@ -207,7 +213,6 @@ def _batch_step(tagged, estimate, meta, estimation, num_samples):
         s = jax.tree.map(lambda x: x / cbar, s)
       stats[l.name] = s
     if fallbacks:  # Per-example gradients: the estimator's mix examples.
-      _, c_elems, _ = weights(params, batch)
       leaves = tuple(k for l in fallbacks for k in l.leaves)
       g = columns(params, batch, k_cols, leaves, c_elems, cbar)
       start = 0
