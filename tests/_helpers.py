@@ -79,6 +79,25 @@ def assert_rounding_close(actual, desired, terms, depth=1, scale=None,
       atol=rounding_tol(dtype, terms, scale, depth, cond), err_msg=err_msg)
 
 
+def assert_power_close(actual, m, exp, err_msg=""):
+  """``actual`` is ``m^exp`` (``m`` symmetric positive definite, given in
+  float64) up to what rounding in ``actual``'s precision allows.
+
+  A backward-stable decomposition perturbs ``m`` by ``(n + c)·ε·‖m‖``
+  (``n`` products in each entry, ``c ≤ 4`` roundings of forming and casting
+  ``m``, of each eigenvalue's power), which moves ``m^p`` by at most
+  ``|p|·(n + c)·ε·κ(m)·‖m^p‖`` (the derivative ``p·λ^(p−1)`` at the
+  smallest eigenvalue for ``p < 0``, at the largest for ``p ≥ 1``;
+  ``κ^(1−p) ≤ κ`` between): the forward error of a backward-stable
+  inverse. Twice for the two passes (the decomposition, then the solves or
+  the eigenvector products), and twice for the two sides (the float64
+  reference has the same bound in float64)."""
+  m = np.asarray(m, np.float64)
+  assert_rounding_close(actual, sym_power(m, exp), terms=len(m) + 4,
+                        depth=4 * max(1.0, abs(exp)), cond=np.linalg.cond(m),
+                        err_msg=err_msg)
+
+
 def kron_cond_bound(stats, damping):
   """An upper bound on the condition number of every π-damped Kronecker
   block ``(A + π√λ I) ⊗ (G + √λ/π I)`` of ``stats`` (block name → statistics

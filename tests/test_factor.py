@@ -12,7 +12,8 @@ import kfac_jax_lite as kfl
 from kfac_jax_lite import _inverse
 from kfac_jax_lite import factor as fac
 
-from _helpers import x64_mode
+from _helpers import (assert_power_close, assert_rounding_close, rounding_tol,
+                      x64_mode)
 
 SETTINGS = hypothesis.settings(max_examples=12, deadline=None)
 METHODS = ("gauss_jordan", "schur", "cholesky", "newton_schulz", "eigh")
@@ -55,10 +56,11 @@ def test_first_update_is_debiased_and_ema_matches_formula():
     state = kfl.update_cov(state, x, decay, weight=w)
     coeffs = [(1 - decay) * decay ** (i - j) * ws[j] for j in range(i + 1)]
     expected = sum(c * xs[j] for j, c in enumerate(coeffs)) / sum(coeffs)
-    np.testing.assert_allclose(fac.factor_value(state), expected, rtol=1e-5)
-  np.testing.assert_allclose(
+    # A weighted mean of i + 1 updates, each a few flops (≤ 4 terms each).
+    assert_rounding_close(fac.factor_value(state), expected, terms=4 * (i + 1))
+  assert_rounding_close(
       fac.factor_value(kfl.update_cov(fac.init_factor(3), xs[0], 0.99)), xs[0],
-      rtol=1e-5)
+      terms=4)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -98,17 +100,18 @@ def test_damped_matpower_matches_brute_force(n, damping, exp, method, seed, x64)
         filled(c, dtype), filled(c, dtype, cache="eigh"),
         filled(d, dtype, diagonal=True), damping, exp, method)
     assert got.dtype == dtype
-    tol = 1e-9 if x64 else 2e-4
-    expected = brute_power(c, damping, exp)
-    scale = np.abs(expected).max()
-    np.testing.assert_allclose(got, expected, atol=tol * scale, rtol=tol * 10)
+    # (C + dI)^exp, C clipped at 0 as brute_power does, to what rounding
+    # allows at its condition number.
+    w, q = np.linalg.eigh(c)
+    damped = (q * (np.maximum(w, 0) + damping)) @ q.T
+    assert_power_close(got, damped, exp)
     # A refreshed power cache holds the same power.
-    np.testing.assert_allclose(cached, expected, atol=tol * scale, rtol=tol * 10)
+    assert_power_close(cached, damped, exp)
     # The cached eigendecomposition gives the same power at any damping.
-    np.testing.assert_allclose(from_eigh, expected, atol=tol * scale,
-                               rtol=tol * 10)
-    # Diagonal factors: elementwise.
-    np.testing.assert_allclose(diagonal, (d + damping) ** exp, rtol=tol * 10)
+    assert_power_close(from_eigh, damped, exp)
+    # Diagonal factors: elementwise (a power of one number: ≤ 2·|exp| ε).
+    np.testing.assert_allclose(diagonal, (d + damping) ** exp, rtol=rounding_tol(
+        dtype, 2, 1.0, depth=max(1.0, abs(exp))))
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5))
@@ -141,23 +144,22 @@ def test_batched_factors_take_per_group_damping():
   damping = np.array([0.1, 2.0])
   got = kfl.damped_matpower(filled(c), damping, -0.5)
   for i in range(2):
-    np.testing.assert_allclose(got[i], brute_power(c[i], damping[i], -0.5),
-                               rtol=1e-4, atol=1e-5)
+    assert_power_close(got[i], c[i] + damping[i] * np.eye(3), -0.5)
 
 
 def test_refresh_caches_power_or_eigendecomposition():
   rng = np.random.default_rng(4)
   c = random_psd(rng, 4)
   state = fac.refresh_cache(filled(c), 7, damping=0.3, exp=-1.0)
-  np.testing.assert_allclose(state.cache.matpower,
-                             np.linalg.inv(c + 0.3 * np.eye(4)), rtol=1e-4)
+  assert_power_close(state.cache.matpower, c + 0.3 * np.eye(4), -1.0)
   assert int(state.cache.step) == 7
   state = fac.refresh_cache(state, 8, damping=0.3, exp=-0.5)
-  np.testing.assert_allclose(state.cache.matpower, brute_power(c, 0.3, -0.5),
-                             rtol=1e-4, atol=1e-6)
+  assert_power_close(state.cache.matpower, c + 0.3 * np.eye(4), -0.5)
   eig = fac.refresh_cache(filled(c, cache="eigh"), 8).cache
-  np.testing.assert_allclose(
-      eig.eigvecs @ np.diag(eig.eigvals) @ eig.eigvecs.T, c, atol=1e-5)
+  # A backward-stable eigendecomposition: Q Λ Qᵀ = C to about 2n·ε·‖C‖,
+  # and as much again for the float32 product that checks it.
+  assert_rounding_close(eig.eigvecs @ np.diag(eig.eigvals) @ eig.eigvecs.T, c,
+                        terms=4, depth=4)
   with pytest.raises(ValueError, match="damping="):
     fac.refresh_cache(state, 9)
 
@@ -188,7 +190,6 @@ def test_each_inverse_method_refreshes_the_exact_damped_inverse(method, x64):
   rng = np.random.default_rng(6)
   with x64_mode(x64):
     dtype = jnp.float64 if x64 else jnp.float32
-    tol = 1e-9 if x64 else 2e-4
     for n, batch in ((1, ()), (7, (2,)), (70, (2,))):
       c = random_psd(rng, n, rank=max(1, n // 2), batch=batch)
       damping = np.linspace(0.05, 0.5, int(np.prod(batch)) or 1).reshape(batch)
@@ -199,9 +200,7 @@ def test_each_inverse_method_refreshes_the_exact_damped_inverse(method, x64):
       assert got.dtype == dtype and int(state.cache.step) == 4
       flat_c = c.reshape((-1, n, n))
       for i, (ci, di) in enumerate(zip(flat_c, np.ravel(damping))):
-        expected = np.linalg.inv(ci + di * np.eye(n))
-        np.testing.assert_allclose(got.reshape((-1, n, n))[i], expected,
-                                   atol=tol * np.abs(expected).max(), rtol=tol)
+        assert_power_close(got.reshape((-1, n, n))[i], ci + di * np.eye(n), -1)
 
 
 # Small leaves and pivot blocks, so that these sizes split (at multiples of
@@ -217,15 +216,14 @@ def test_schur_inverse_split_is_the_exact_inverse(x64):
   rng = np.random.default_rng(9)
   with x64_mode(x64):
     dtype = jnp.float64 if x64 else jnp.float32
-    tol = 1e-10 if x64 else 2e-5
     for n, batch in ((40, (2,)), (61, (3,))):  # 16 + 24; 32 + 29 (padded).
       m = random_psd(rng, n, batch=batch) + 0.1 * np.eye(n)
       got, ok = _small_schur(jnp.asarray(m, dtype))
       expected = np.linalg.inv(m)
       assert got.dtype == dtype and got.shape == m.shape and bool(ok)
       np.testing.assert_allclose(got, np.swapaxes(got, -1, -2))
-      np.testing.assert_allclose(got, expected, rtol=tol,
-                                 atol=tol * np.abs(expected).max())
+      for g, mi in zip(got, m):
+        assert_power_close(g, mi, -1)
     # Indefinite (one negative eigenvalue: its pivot turns up in a later
     # block) or NaN: a batch with one bad member is not ok as a whole.
     q, _ = np.linalg.qr(rng.normal(size=(61, 61)))
@@ -267,14 +265,13 @@ def test_gauss_jordan_inverse_over_many_blocks_is_exact_and_symmetric(x64):
   rng = np.random.default_rng(10)
   with x64_mode(x64):
     dtype = jnp.float64 if x64 else jnp.float32
-    tol = 1e-10 if x64 else 2e-5
     m = random_psd(rng, 61, batch=(3,)) + 0.1 * np.eye(61)
     got, ok = _small_gauss_jordan(jnp.asarray(m, dtype))
     expected = np.linalg.inv(m)
     assert got.dtype == dtype and bool(ok)
     np.testing.assert_array_equal(got, np.swapaxes(got, -1, -2))
-    np.testing.assert_allclose(got, expected, rtol=tol,
-                               atol=tol * np.abs(expected).max())
+    for g, mi in zip(got, m):
+      assert_power_close(g, mi, -1)
     cond = 1e8 if x64 else 1e4
     q, _ = np.linalg.qr(rng.normal(size=(61, 61)))
     w = np.geomspace(1, 1 / cond, 61)
@@ -312,8 +309,7 @@ def test_inverses_of_device_varying_factors_under_shard_map():
         lambda c: fac.damped_matpower(kfl.update_cov(fac.init_factor(70), c[0], 0.5),
                                       0.0, -1.0, method=method)[None],
         mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=True)
-    np.testing.assert_allclose(jax.jit(fn)(jnp.asarray(m, jnp.float32))[0],
-                               np.linalg.inv(m[0]), rtol=1e-3, atol=1e-4)
+    assert_power_close(jax.jit(fn)(jnp.asarray(m, jnp.float32))[0], m[0], -1)
 
 
 def _poisoned_gauss_jordan(monkeypatch):
@@ -383,17 +379,26 @@ def test_factor_products():
   c = random_psd(rng, 3)
   state = filled(c)
   x = rng.normal(size=(3, 2)).astype(np.float32)
-  np.testing.assert_allclose(fac.multiply(state, x), c @ x, rtol=1e-5)
-  np.testing.assert_allclose(fac.multiply(state, x[:, 0]), c @ x[:, 0], rtol=1e-5)
-  inv = np.linalg.inv(c + 0.2 * np.eye(3))
-  np.testing.assert_allclose(kfl.multiply_inverse(state, x, 0.2), inv @ x,
-                             rtol=1e-4)
-  np.testing.assert_allclose(kfl.multiply_inverse(state, x[:, 1], 0.2),
-                             inv @ x[:, 1], rtol=1e-4)
-  np.testing.assert_allclose(fac.multiply_matpower(state, x, 0.2, -0.5),
-                             brute_power(c, 0.2, -0.5) @ x, rtol=1e-4)
+  # Products of 3 terms, at the size of the terms |C||x|.
+  size = np.abs(c) @ np.abs(x)
+  assert_rounding_close(fac.multiply(state, x), c @ x, terms=3, depth=2,
+                        scale=size.max())
+  assert_rounding_close(fac.multiply(state, x[:, 0]), c @ x[:, 0], terms=3,
+                        depth=2, scale=size.max())
+  # Solves and powers: the power's forward error (assert_power_close) times
+  # |x|'s 3 terms, at κ of the damped factor.
+  damped = c + 0.2 * np.eye(3)
+  kappa = np.linalg.cond(damped)
+  for got, p, v in ((kfl.multiply_inverse(state, x, 0.2), -1.0, x),
+                    (kfl.multiply_inverse(state, x[:, 1], 0.2), -1.0, x[:, 1]),
+                    (fac.multiply_matpower(state, x, 0.2, -0.5), -0.5, x)):
+    power = brute_power(c, 0.2, p)
+    assert_rounding_close(got, power @ v, terms=3 + 4, depth=4 * 2,
+                          cond=kappa, scale=(np.abs(power) @ np.abs(v)).max())
   chol = fac.damped_cholesky(state, 0.2)
-  np.testing.assert_allclose(chol @ chol.T, c + 0.2 * np.eye(3), rtol=1e-5)
+  # Cholesky is backward stable: L Lᵀ = C + dI to about 2n·ε·‖C + dI‖, and
+  # as much again for the float32 product that checks it.
+  assert_rounding_close(chol @ chol.T, damped, terms=3, depth=4)
   assert np.allclose(np.triu(chol, 1), 0)
 
 
@@ -403,7 +408,7 @@ def test_factor_functions_jit_and_are_pytrees():
   state = update(state, jnp.eye(3), 0.9)
   refresh = jax.jit(lambda s, d: fac.refresh_cache(s, 1, damping=d))
   state = refresh(state, 0.1)
-  np.testing.assert_allclose(state.cache.matpower, np.eye(3) / 1.1, rtol=1e-6)
+  assert_power_close(state.cache.matpower, 1.1 * np.eye(3), -1)
   leaves, treedef = jax.tree.flatten(state)
   assert isinstance(jax.tree.unflatten(treedef, leaves), kfl.FactorState)
 
