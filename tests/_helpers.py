@@ -117,12 +117,16 @@ def kron_cond_bound(stats, damping):
 
 def assert_paths_rounding_close(actual, desired, terms, depth=1):
   """``assert_rounding_close`` for each path of two dicts with the same
-  keys (e.g. per-example gradients by parameter path), each path at its own
-  scale."""
+  keys (e.g. per-example gradients by parameter path), all at the scale of
+  the largest entry of any path: a path's value can cancel to rounding
+  noise while its terms have the others' size (an attention key's bias
+  has zero gradient: softmax ignores a shift shared by all keys)."""
   assert set(actual) == set(desired), (sorted(actual), sorted(desired))
+  scale = max(np.abs(np.asarray(x, np.float64)).max(initial=0.0)
+              for x in desired.values())
   for path in desired:
     assert_rounding_close(actual[path], desired[path], terms, depth,
-                          err_msg=str(path))
+                          scale=scale, err_msg=str(path))
 
 
 def flat(tree):

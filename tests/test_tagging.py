@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import _tagging_models as M
+from _helpers import assert_paths_rounding_close, assert_rounding_close
 from kfac_jax_lite.tagging import describe, find_layers
 
 D, C, E, S = "dense", "conv", "embedding", "scale_and_shift"
@@ -129,16 +130,17 @@ def test_captures_reproduce_per_example_grads(name):
   l, grads, caps, probe_cts = _probed(name)
   cts = {k: v * n for k, v in probe_cts.items()}   # mean loss: c_i = 1/N
   per_ex = jax.jit(tl.per_example_grads)(caps, cts)
-  np.testing.assert_allclose(l, jax.jit(loss)(params, batch), rtol=1e-5)
+  # The models here chain ≤ 16 reductions forward and back (≤ 8 layers),
+  # none longer than 64 terms (a conv's 49 locations, its 36-entry window).
+  close = functools.partial(assert_rounding_close, terms=64, depth=16)
+  close(l, jax.jit(loss)(params, batch))
   ref = jax.jit(jax.vmap(lambda ex: jax.grad(loss)(
       params, jax.tree.map(lambda x: x[None], ex))))(batch)
   ref, g = _flat_paths(ref), _flat_paths(grads)
   gref = _flat_paths(jax.jit(jax.grad(loss))(params, batch))
   assert set(per_ex) == set(ref)   # every parameter is in a detected layer
-  for path, x in per_ex.items():
-    np.testing.assert_allclose(x, ref[path], rtol=2e-4, atol=2e-5, err_msg=path)
-    np.testing.assert_allclose(g[path], gref[path], rtol=2e-4, atol=2e-5,
-                               err_msg=path)
+  assert_paths_rounding_close(per_ex, ref, terms=64, depth=16)
+  assert_paths_rounding_close(g, gref, terms=64, depth=16)
 
 
 def test_per_example_grads_keep_the_samples_apart():
@@ -150,9 +152,9 @@ def test_per_example_grads_keep_the_samples_apart():
   two = tl.per_example_grads(caps, {k: jnp.stack([v, 2 * v])
                                     for k, v in cts.items()})
   assert set(one) == set(two) and "embed" in one
-  for path, g in one.items():
-    np.testing.assert_allclose(two[path], np.stack([g, 2 * g]), rtol=1e-5,
-                               atol=1e-7, err_msg=path)
+  for path, g in one.items():   # Sums over ≤ N·T uses of the same products.
+    assert_rounding_close(two[path], np.stack([g, 2 * g]), terms=64,
+                          err_msg=path)
 
 
 def _count(jaxpr, names):
@@ -245,15 +247,18 @@ def test_layer_data_feeds_compute_stats():
     got = np.diag(block.to_dense(block.update(block.init(), stats[layer.name],
                                               0.5)))
     expected = (want[layer.name] ** 2).mean(0)
-    np.testing.assert_allclose(got, expected, rtol=2e-4,
-                               atol=1e-6 * expected.max(), err_msg=layer.name)
+    # Squares of the per-example gradients (≤ 16 chained reductions of ≤ 64
+    # terms each side, doubled by the square) averaged over N.
+    assert_rounding_close(got, expected, terms=64, depth=2 * 16 + 1,
+                          err_msg=layer.name)
     if layer.name == TIED:
       continue  # See below.
     # A samples axis averages: cotangents (g, 2g) give (1 + 4)/2 = 2.5 times.
+    # The same products summed over twice the rows (≤ 2·N·T = 18).
     for a, b in zip(jax.tree.leaves(stats2[layer.name]),
                     jax.tree.leaves(stats[layer.name])):
-      np.testing.assert_allclose(a, 2.5 * np.asarray(b), rtol=1e-5,
-                                 atol=1e-9, err_msg=layer.name)
+      assert_rounding_close(a, 2.5 * np.asarray(b), terms=18, depth=2,
+                            err_msg=layer.name)
   # The default Kronecker blocks take the same data: the input factor does
   # not see the cotangents, the output factor averages over samples.
   tl = _tagged("jax_transformer").with_blocks()
@@ -262,9 +267,9 @@ def test_layer_data_feeds_compute_stats():
     if layer.kind == "scale_and_shift" or layer.name == TIED:
       continue
     one, two = stats[layer.name], stats2[layer.name]
-    np.testing.assert_allclose(two.a, one.a, rtol=1e-6, err_msg=layer.name)
-    np.testing.assert_allclose(two.g, 2.5 * np.asarray(one.g), rtol=1e-5,
-                               atol=1e-9, err_msg=layer.name)
+    assert_rounding_close(two.a, one.a, terms=18, depth=2, err_msg=layer.name)
+    assert_rounding_close(two.g, 2.5 * np.asarray(one.g), terms=18, depth=2,
+                          err_msg=layer.name)
     assert np.abs(one.g).max() > 0 and np.abs(one.a).max() > 0, layer.name
 
 
