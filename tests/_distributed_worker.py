@@ -4,7 +4,10 @@ The main pytest process may already have initialised JAX with a single CPU
 device, so every multi-device scenario runs here, in a fresh interpreter
 whose device count is fixed (``--devices``, put into ``XLA_FLAGS`` before
 JAX is imported). The worker prints one line ``RESULT <json>`` on stdout
-(arrays as nested lists); the tests compare the numbers.
+(arrays as nested lists); the tests compare the numbers. Every scenario
+runs in float64 (``JAX_ENABLE_X64``): the tests check the algebra of the
+reductions, which float32 rounding would blur by its last bits' CPU
+dependence.
 
     python tests/_distributed_worker.py --devices 8 pmap
     python tests/_distributed_worker.py --devices 2 multihost --port P --process-id I
@@ -28,6 +31,7 @@ def _setup(devices: int):
   flags.append(f"--xla_force_host_platform_device_count={devices}")
   os.environ["XLA_FLAGS"] = " ".join(flags)
   os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["JAX_ENABLE_X64"] = "1"
   if SRC not in sys.path:
     sys.path.insert(0, SRC)
 
@@ -316,7 +320,7 @@ def _one_pass_under_vma(mapped, train, batches):
   import kfac_jax_lite as kfl
   loss_fb = make_loss_with_fallback()
   params = dict(init_params(),
-                temp=0.1 * jnp.arange(SIZES[-1], dtype=jnp.float32))
+                temp=0.1 * jnp.arange(SIZES[-1], dtype=float))
   est_fn = kfl.value_grad_and_stats(loss_fb, params, batches[0],
                                     estimation="exact")
   key = jax.random.PRNGKey(0)

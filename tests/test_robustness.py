@@ -24,7 +24,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
-from _helpers import optimized_jit
+from _helpers import assert_rounding_close, optimized_jit
 
 SIZES = (5, 8, 3)
 N = 16
@@ -327,7 +327,9 @@ def test_kfac_optimizer_raises_damping_and_rejects_a_non_finite_step():
   step, state = jax.jit(opt.update)(grads, state, params, batch=BATCH)
   omega = (19 / 20) ** 1
   assert float(state.rho) == -np.inf
-  np.testing.assert_allclose(float(state.damping), 0.1 / omega, rtol=1e-6)
+  # 0.1 / ω^1 in a handful of float32 operations.
+  assert_rounding_close(np.asarray(state.damping), 0.1 / omega, terms=1,
+                        depth=4)
   assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(step))
   zero = jax.tree.map(jnp.zeros_like, grads)
   _, state2 = jax.jit(opt.update)(zero, state, params, batch=BATCH)
