@@ -62,7 +62,9 @@ def test_describe_shows_the_recognised_loss_and_kfac_steps():
   plain = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
       _logits(p, b), b["y"]).mean()
   last = str(kfl.describe(plain, params, batch)).splitlines()[-1]
-  assert last.startswith("loss: Categorical"), last
+  assert last == ("loss: Categorical (recognised: optax.softmax_cross_"
+                  "entropy_with_integer_labels, as its registered twin), "
+                  "per-element values [6]"), last
   tx = kfl.kfac(plain, batch)  # estimation="fisher": no refusal.
   state = tx.init(params)
   upd, _ = jax.jit(lambda g, s, p: tx.update(g, s, p, batch=batch))(

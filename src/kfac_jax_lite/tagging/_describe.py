@@ -83,8 +83,13 @@ def loss_lines(tagged):
             "refuse (value_grad_and_stats when built, kfl.kfac at tx.init): "
             "compute the loss with kfl.softmax_cross_entropy_with_integer_"
             "labels, kfl.squared_error, … to use them",)
+  from kfac_jax_lite.tagging import _losses
+  how = lambda t: ("recognised: optax.softmax_cross_entropy_with_integer_"
+                   "labels, as its registered twin"
+                   if t.distribution is _losses.RECOGNISED_INTEGER_CE
+                   else "registered")
   return tuple(
-      f"loss: {type(t.distribution).__name__} (registered), per-element "
+      f"loss: {type(t.distribution).__name__} ({how(t)}), per-element "
       f"values {list(t.values_shape)}" for t in tagged.losses)
 
 

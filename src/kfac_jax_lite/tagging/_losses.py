@@ -19,6 +19,11 @@ from kfac_jax_lite import distributions as dists
 from kfac_jax_lite import losses
 
 
+# The distribution the inserted tags carry: ``describe`` tells a recognised
+# loss from a registered one by identity.
+RECOGNISED_INTEGER_CE = dists.Categorical(integer_labels=True)
+
+
 def _producers(jaxpr):
   return {id(v): e for e in jaxpr.eqns for v in e.outvars}
 
@@ -81,7 +86,7 @@ def recognise(closed):
     tagged = jcore.Var(out.aval)
     eqns.append(jcore.new_jaxpr_eqn(
         [out, logits, labels], [tagged], losses.loss_tag_p,
-        dict(distribution=dists.Categorical(integer_labels=True),
+        dict(distribution=RECOGNISED_INTEGER_CE,
              num_outputs=1), jcore.no_effects))
     rename[id(out)] = tagged
     found = True
