@@ -338,8 +338,24 @@ def test_describe_total_is_the_curvature_state_bytes(mode):
   state = kfl.kfac(loss_fn, batch, damping_mode=mode).init(params)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state.blocks))
   assert table.total_bytes == nbytes
-  assert str(table).splitlines()[-1].startswith(
+  assert str(table).splitlines()[-2].startswith(  # Then the loss line.
       f"{len(table)} blocks, {nbytes} bytes of state (")
+  assert str(table).splitlines()[-1] == (
+      "loss: Categorical (registered), per-element values [6]")
   # π damping: per dense factor its covariance and one cached n×n matrix.
   n2 = (6 * 6 + 4 * 4) + (4 * 4 + 3 * 3)
   assert nbytes - 4 * 2 * n2 == (0 if mode == "pi" else 4 * (6 + 4 + 4 + 3)) + 4 * 4 * 4
+
+
+def test_describe_says_when_no_registered_loss_was_found():
+  """Issue 23: describe reports (it does not raise) that a loss_fn has no
+  registered loss, and what that leaves for each estimation."""
+  def loss_fn(params, batch):
+    return jnp.mean(jnp.abs(batch["x"] @ params["w"] - batch["t"]))
+
+  params = {"w": jnp.ones((5, 3))}
+  batch = {"x": jnp.ones((6, 5)), "t": jnp.zeros((6, 3))}
+  last = str(kfl.describe(loss_fn, params, batch)).splitlines()[-1]
+  assert last.startswith("loss: none registered — estimation='empirical' "
+                         "only"), last
+  assert "kfl.softmax_cross_entropy_with_integer_labels" in last, last

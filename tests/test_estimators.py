@@ -182,9 +182,41 @@ def test_empirical_mode_uses_data_targets():
   fn = kfl.value_grad_and_stats(plain, PARAMS, BATCH, estimation="empirical")
   est2 = jax.jit(fn)(PARAMS, BATCH, KEY)
   np.testing.assert_allclose(est2.stats["w2"].g, got["w2"].g, rtol=1e-5)
-  with pytest.raises(ValueError, match="registered loss.*softmax_cross_entropy"):
-    kfl.value_grad_and_stats(plain, PARAMS, BATCH, estimation="fisher")(
-        PARAMS, BATCH, KEY)
+  # Issue 23: optax's integer-label CE is recognised as its registered twin.
+  est3 = jax.jit(kfl.value_grad_and_stats(plain, PARAMS, BATCH,
+                                          estimation="empirical"))(
+      PARAMS, BATCH, KEY)
+  np.testing.assert_allclose(est3.stats["w2"].g, got["w2"].g, rtol=1e-5)
+
+
+def _unrecognised_loss(p, b):
+  """A loss no registration marks: the estimations that need one refuse."""
+  return jnp.mean(jnp.abs(net(p, b["x"]) - b["t"]))
+
+
+@pytest.mark.parametrize("estimation",
+                         ["fisher", "exact", "curvature_prop"])
+def test_a_loss_without_registration_is_refused_when_built_not_at_a_step(
+    estimation):
+  # Issue 23: value_grad_and_stats at its construction; kfl.kfac and
+  # kfl.kfac_optimizer (built without params) at tx.init, before any step.
+  fix = "needs a registered loss.*none was found.*kfl.softmax_cross_entropy"
+  with pytest.raises(ValueError, match="value_grad_and_stats: .*" + fix):
+    kfl.value_grad_and_stats(_unrecognised_loss, PARAMS, BATCH,
+                             estimation=estimation)
+  tx = kfl.kfac(_unrecognised_loss, BATCH, estimation=estimation)
+  with pytest.raises(ValueError, match="kfl.kfac: .*" + fix):
+    tx.init(PARAMS)
+  opt = kfl.kfac_optimizer(_unrecognised_loss, BATCH)
+  with pytest.raises(ValueError, match="kfl.kfac_optimizer needs a registered "
+                     "loss.*none was found"):
+    opt.init(PARAMS)
+
+
+def test_a_loss_without_registration_builds_for_the_empirical_estimation():
+  kfl.value_grad_and_stats(_unrecognised_loss, PARAMS, BATCH,
+                           estimation="empirical")
+  kfl.kfac(_unrecognised_loss, BATCH, estimation="empirical").init(PARAMS)
 
 
 def test_one_pass_loss_and_gradient_equal_value_and_grad():

@@ -115,6 +115,32 @@ def check_estimation(estimation, num_samples=1):
     raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
 
 
+def check_has_loss(tagged, estimation, where):
+  """Raises unless ``estimation`` can be computed from ``tagged``'s trace.
+
+  Every estimation but ``"empirical"`` draws its output cotangents from a
+  registered loss's distribution (``u = ∇_z ℓ(z, t)`` with ``t`` sampled, or
+  the loss's Hessian factor); without one only the empirical statistics (the
+  per-example gradients, a mean over the batch assumed) are defined.  Checked
+  when ``where`` (``kfl.kfac``'s ``tx.init``, ``kfl.kfac_optimizer``'s
+  ``tx.init``, ``kfl.value_grad_and_stats``) is built or initialised, so the
+  error comes before any step.
+
+  Args:
+    tagged: the ``tagging.TaggedLoss`` of the loss function.
+    estimation: the configured estimation mode.
+    where: the API named in the error.
+  """
+  if tagged.losses or estimation == "empirical":
+    return
+  raise ValueError(
+      f"{where}: estimation={estimation!r} needs a registered loss, and none "
+      "was found in loss_fn: compute the loss with kfl.softmax_cross_entropy, "
+      "kfl.softmax_cross_entropy_with_integer_labels, "
+      "kfl.sigmoid_binary_cross_entropy, kfl.squared_error (or "
+      "kfl.registered_loss), or use estimation='empirical'")
+
+
 def _per_example(c_elem, n):
   """``c_i``: a loss's element weights summed over all but the batch axis."""
   return c_elem.reshape(n, -1).sum(-1) if c_elem.ndim else jnp.broadcast_to(
@@ -303,13 +329,7 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
   has_fallbacks = bool(tagged.fallbacks)
 
   if not tagged.losses:
-    if estimation != "empirical":
-      raise ValueError(
-          f"estimation={estimation!r} needs a registered loss: compute the "
-          "loss with kfl.softmax_cross_entropy, "
-          "kfl.softmax_cross_entropy_with_integer_labels, "
-          "kfl.sigmoid_binary_cross_entropy, kfl.squared_error (or "
-          "kfl.registered_loss), or use estimation='empirical'")
+    check_has_loss(tagged, estimation, "value_grad_and_stats")
     n = _batch_size(batch)
     c_i = jnp.full((n,), 1.0 / n, _float(loss.dtype))
     cots = {u: probe_ct[u][None] * n for u in layer_uids}
@@ -460,6 +480,7 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
   tagged = tagging.find_layers(
       loss_fn, params, batch, has_aux=has_aux, exclude=exclude).with_blocks(
           blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
+  check_has_loss(tagged, estimation, "value_grad_and_stats")
 
   def fn(params, batch, key, states=None):
     if stats_fraction >= 1.0:

@@ -189,8 +189,13 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     # The preconditioner's own detection: one trace of loss_fn serves both.
     tagged = inner.update.layers(params)
     if not tagged.losses:
-      raise ValueError("kfac_optimizer needs a registered loss (e.g. "
-                       "kfl.softmax_cross_entropy) for its quadratic model")
+      raise ValueError(
+          "kfl.kfac_optimizer needs a registered loss for its quadratic "
+          "model, and none was found in loss_fn: compute the loss with "
+          "kfl.softmax_cross_entropy, "
+          "kfl.softmax_cross_entropy_with_integer_labels, "
+          "kfl.sigmoid_binary_cross_entropy, kfl.squared_error (or "
+          "kfl.registered_loss)")
     return tagged
 
   def value(params, batch):
@@ -198,6 +203,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     return out[0] if has_aux else out
 
   def init_fn(params):
+    tagged_for(params)  # Refuse a loss_fn without a registered loss here.
     zeros = jax.tree.map(jnp.zeros_like, params)
     scalar = lambda x: jnp.asarray(x, transform.float_dtype(params))
     return KfacOptimizerState(inner.init(params), scalar(initial_damping),

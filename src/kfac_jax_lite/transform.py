@@ -429,6 +429,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     return with_blocks[tagged]
 
   def init_fn(params):
+    # The first point with params to trace: refuse here, not at a step.
+    estimators.check_has_loss(tagged_for(params), estimation, "kfl.kfac")
     leaves = jax.tree.leaves(params)
     zero = lambda: jnp.zeros((), jnp.int32)  # Own buffers: donatable.
     return KfacState(

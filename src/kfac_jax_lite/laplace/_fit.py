@@ -110,11 +110,7 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
     tagged = estimate.tagged
     for layer in tagged.layers:
       _check_block(layer.name, _per_slice(layer.block, layer.stack))
-  if estimation != "empirical" and not tagged.losses:
-    raise ValueError(
-        f"estimation={estimation!r} needs a registered loss (e.g. "
-        "kfl.softmax_cross_entropy_with_integer_labels); or use "
-        "estimation='empirical'")
+  estimators.check_has_loss(tagged, estimation, "kfl.laplace.fit")
   meta = _meta(tagged, structure, estimation)
   step = jax.jit(_batch_step(tagged, estimate, meta, estimation, num_samples))
 

@@ -40,7 +40,12 @@ class Table(list):
     total = self.total_bytes
     out.append(f"{len(self)} blocks, {total} bytes of state "
                f"({total / 2**20:.1f} MiB)")
+    out += self.loss_lines
     return "\n".join(out)
+
+  #: One line per registered loss found in the trace, or one saying none was
+  #: found and what that means for each estimation (set by ``rows``).
+  loss_lines: tuple = ()
 
   @property
   def total_bytes(self):
@@ -61,7 +66,31 @@ def rows(tagged):
         factors=tuple(tuple(s) for s in block.factor_shapes),
         sharing=_sharing(l, block), bytes=B.state_bytes(l.block),
         uses=l.uses, stack=l.stack, notes=l.notes))
+  table.loss_lines = loss_lines(tagged)
   return table
+
+
+def loss_lines(tagged):
+  """What ``describe`` says about ``tagged``'s losses: for each registered
+  loss its distribution (``Categorical``: softmax cross-entropy,
+  ``Bernoulli``: sigmoid binary cross-entropy, ``Normal``: squared error, …)
+  and the shape of its per-element values; or, with none, that only
+  ``estimation='empirical'`` is available (the others refuse when built)."""
+  if not tagged.losses:
+    return ("loss: none registered — estimation='empirical' only (per-example "
+            "gradients, a mean over the batch assumed); 'fisher', "
+            "'curvature_prop(_ggn)', 'exact(_ggn)' and kfl.kfac_optimizer "
+            "refuse (value_grad_and_stats when built, kfl.kfac at tx.init): "
+            "compute the loss with kfl.softmax_cross_entropy_with_integer_"
+            "labels, kfl.squared_error, … to use them",)
+  from kfac_jax_lite.tagging import _losses
+  how = lambda t: ("recognised: optax.softmax_cross_entropy_with_integer_"
+                   "labels, as its registered twin"
+                   if t.distribution is _losses.RECOGNISED_INTEGER_CE
+                   else "registered")
+  return tuple(
+      f"loss: {type(t.distribution).__name__} ({how(t)}), per-element "
+      f"values {list(t.values_shape)}" for t in tagged.losses)
 
 
 def _sharing(layer, block):

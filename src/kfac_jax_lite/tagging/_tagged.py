@@ -11,6 +11,7 @@ import numpy as np
 
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite import losses
+from kfac_jax_lite.tagging import _losses
 from kfac_jax_lite.tagging import _analysis
 from kfac_jax_lite.tagging import _blocks
 from kfac_jax_lite.tagging import _format as F
@@ -206,6 +207,7 @@ class TaggedLoss:
       hint = (" (use has_aux=True for (loss, aux))"
               if isinstance(loss_shape, (tuple, list)) else "")
       raise ValueError(f"loss_fn must return a scalar loss, got {got}{hint}")
+    closed = _losses.recognise(closed)  # optax's CE as its registered twin.
     uses, opaque, penalties = _analysis.analyse(closed.jaxpr,
                                                 self.leaf_shapes)
     tags = [LossTag(-1 - j, key, eqn.params["distribution"],
