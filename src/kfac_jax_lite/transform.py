@@ -88,8 +88,8 @@ class KfacState(NamedTuple):
   # Issue 24: what ``kfl.health`` needs to tell a run that blows up its
   # parameters or is held by the KL clip from one that trains.
   num_clipped: Any  # int32: updates the KL clip scaled down (s < 1).
-  param_norm_first: Any  # float32: ‖θ‖ at the first update.
-  param_norm: Any  # float32: ‖θ‖ at the latest update.
+  param_norm_first: Any  # ‖θ‖ at the first update (curvature dtype).
+  param_norm: Any  # ‖θ‖ at the latest update (curvature dtype).
 
 
 def float_dtype(tree):
@@ -445,8 +445,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
                 for l in tagged_for(params).layers},
         num_bad_grads=zero(), num_bad_updates=zero(), num_bad_damping=zero(),
         num_nonfinite_params=zero(), num_clipped=zero(),
-        param_norm_first=jnp.zeros((), jnp.float32),
-        param_norm=jnp.zeros((), jnp.float32))
+        param_norm_first=jnp.zeros((), float_dtype(leaves)),
+        param_norm=jnp.zeros((), float_dtype(leaves)))
 
   def update_fn(grads, state, params=None, *, batch=None, stats=None,
                 damping=None, **extra_args):
@@ -499,9 +499,9 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     out, grads_ok, update_ok = guard(out, leaves, damping_ok, scale)
     good = grads_ok & damping_ok
     count = lambda x: x.astype(jnp.int32)
-    norm = jnp.sqrt(sum((jnp.vdot(p, p).real.astype(jnp.float32)
+    norm = jnp.sqrt(sum((jnp.vdot(p, p).real.astype(dtype)
                          for p in jax.tree.leaves(params)),
-                        jnp.zeros((), jnp.float32)))
+                        jnp.zeros((), dtype)))
     new_state = KfacState(
         count=state.count + 1, key=key, blocks=states,
         num_bad_grads=state.num_bad_grads + count(~grads_ok),
