@@ -164,7 +164,12 @@ MODELS = {
     "equinox mlp": equinox_mlp,
     "equinox cnn+groupnorm": equinox_cnn_groupnorm,
     "nnx attention": nnx_attention,
+    # Issue 24: weight decay written into the loss (an L2 term the K-FAC
+    # curvature does not model) on the Haiku conv net.
+    "haiku cnn+wd": haiku_cnn,
 }
+# Models whose loss adds ``WEIGHT_DECAY[name] / 2 · ‖θ‖²``.
+WEIGHT_DECAY = {"haiku cnn+wd": 1e-3}
 QUICK_MODELS = ("jax mlp", "linen cnn+layernorm", "haiku cnn")
 
 
@@ -207,9 +212,15 @@ def study(names, lrs, steps, batch_size, kfac_options, opt_options=None,
   for name in names:
     params, apply = MODELS[name](jax.random.PRNGKey(seed))
 
-    def loss_fn(params, batch, apply=apply):
-      return kfl.softmax_cross_entropy_with_integer_labels(
+    wd = WEIGHT_DECAY.get(name, 0.0)
+
+    def loss_fn(params, batch, apply=apply, wd=wd):
+      loss = kfl.softmax_cross_entropy_with_integer_labels(
           apply(params, batch["x"]), batch["y"]).mean()
+      if wd:
+        loss = loss + 0.5 * wd * sum(
+            jnp.vdot(p, p) for p in jax.tree.leaves(params))
+      return loss
 
     full_jit = jax.jit(loss_fn)
     full = lambda p: full_jit(p, {"x": x_all, "y": y_all})

@@ -235,6 +235,46 @@ def test_nonfinite_params_are_counted_and_health_finds_every_state():
     kfl.health(optax.sgd(0.1).init(params))
 
 
+def _run_sgd(lr, steps):
+  """``steps`` of the recommended recipe on the test MLP, one batch per step."""
+  params = init_params()
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH), optax.sgd(lr, momentum=0.9))
+
+  @jax.jit
+  def run(params):
+    def step(carry, seed):
+      params, state = carry
+      batch = make_batch(seed)
+      grads = jax.grad(loss_fn)(params, batch)
+      updates, state = tx.update(grads, state, params, batch=batch)
+      return (optax.apply_updates(params, updates), state), None
+    return jax.lax.scan(step, (params, tx.init(params)),
+                        jnp.arange(steps))[0]
+  return params, run(params)
+
+
+def test_health_reports_a_run_that_blows_up_its_parameters():
+  """Issue 24: runs that did not learn at lr 0.1 grew their weights while
+  every counter stayed 0 and ``kfl.health`` said ok. The state keeps the
+  parameters' norm at the first and the latest update; growth beyond
+  ``PARAM_GROWTH_LIMIT`` is not ok."""
+  import importlib
+  limit = importlib.import_module("kfac_jax_lite.health").PARAM_GROWTH_LIMIT
+  init, (_, state) = _run_sgd(0.01, 60)
+  health = kfl.health(state)
+  norm = lambda t: float(np.sqrt(sum(np.sum(np.square(x))
+                                     for x in jax.tree.leaves(t))))
+  kstate = state[0]
+  assert float(kstate.param_norm_first) == pytest.approx(norm(init), rel=1e-5)
+  assert health.ok and not health.blew_up, str(health)
+  assert "param growth" in str(health) and "clipped" in str(health)
+  _, (params, state) = _run_sgd(30.0, 60)
+  health = kfl.health(state)
+  assert not health.ok and health.blew_up, str(health)
+  assert health.param_growth > limit
+  assert "BLEW UP" in str(health)
+
+
 # --- defaults ------------------------------------------------------------------------
 
 def readme_defaults():

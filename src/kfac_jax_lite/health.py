@@ -22,6 +22,18 @@ from kfac_jax_lite import optimizer
 from kfac_jax_lite import transform
 
 
+# A run whose parameter norm grew more than this many times since its first
+# update is reported as blown up. Issue 24's runs that did not learn grew
+# their weights while every counter stayed 0. On benchmarks/robustness.py
+# (digits, batch 128) the runs at lr 0.01 grew 1.4-3.7x in 100 or 300
+# steps, at lr 0.03 2.4-8.9x (all trained), at lr 0.1 8-14x in 100 steps
+# (benchmarks/results/robustness_issue24_health.txt). Growth alone does not
+# separate a run that learns slowly from one that fails (the Haiku conv net
+# with weight decay in the loss failed at lr 0.1 growing 8x): the limit is
+# set above every run that trained.
+PARAM_GROWTH_LIMIT = 10.0
+
+
 class Health(NamedTuple):
   """Counters of one K-FAC state (summed over several, and over devices).
 
@@ -37,6 +49,16 @@ class Health(NamedTuple):
   decomposition of real statistics yet (their gradient passes through
   unpreconditioned). ``damping``, ``rho``, ``learning_rate``,
   ``momentum``: ``kfac_optimizer``'s adapted values (``None`` otherwise).
+  ``clipped``: updates the KL clip scaled down. ``param_growth``: the
+  parameters' norm at the latest update over that at the first (the
+  largest over several states; inf once they are not finite).
+
+  A run is also not ``ok`` when its parameters' norm grew more than
+  ``PARAM_GROWTH_LIMIT`` times since the first update: a run that blows up
+  its weights while every step is finite (issue 24). ``clipped`` is shown
+  but not judged: with the default ``norm_constraint`` the clip scales
+  most updates of runs that train well too (47-89 of 100 at lr 0.01 in
+  ``benchmarks/results/robustness_issue24_health.txt``).
   """
 
   steps: int
@@ -51,13 +73,22 @@ class Health(NamedTuple):
   rho: Optional[float] = None
   learning_rate: Optional[float] = None
   momentum: Optional[float] = None
+  clipped: int = 0
+  param_growth: float = 1.0
+
+  @property
+  def blew_up(self) -> bool:
+    """The parameters' norm grew more than ``PARAM_GROWTH_LIMIT`` times."""
+    return not self.param_growth <= PARAM_GROWTH_LIMIT
 
   @property
   def ok(self) -> bool:
-    """No step was skipped or replaced, and every block is preconditioned."""
+    """No step was skipped or replaced, every block is preconditioned,
+    and the parameters did not blow up."""
     return not (self.bad_grads or self.nonfinite_params or self.bad_damping
                 or self.bad_updates or self.skipped_stats
-                or self.failed_inverses or self.unready_blocks)
+                or self.failed_inverses or self.unready_blocks
+                or self.blew_up)
 
   def __str__(self):
     head = "kfac: ok" if self.ok else "kfac: PROBLEMS"
@@ -67,7 +98,10 @@ class Health(NamedTuple):
              f"bad updates {self.bad_updates}",
              f"skipped stats {self.skipped_stats}",
              f"failed inverses {self.failed_inverses}",
-             f"unready blocks {self.unready_blocks}"]
+             f"unready blocks {self.unready_blocks}",
+             f"clipped {self.clipped}",
+             f"param growth {self.param_growth:.3g}x"
+             + (" (BLEW UP)" if self.blew_up else "")]
     for name in ("damping", "rho", "learning_rate", "momentum"):
       value = getattr(self, name)
       if value is not None:
@@ -119,8 +153,9 @@ def health(state) -> Health:
   if not found:
     raise ValueError("kfl.health: no kfl.kfac or kfl.kfac_optimizer state "
                      f"found in {type(state).__name__}")
-  totals = np.zeros(8, np.int64)
+  totals = np.zeros(9, np.int64)
   extra = {}
+  growth = 1.0
   for s in found:
     if isinstance(s, optimizer.KfacOptimizerState):
       extra = dict(damping=_first(s.damping), rho=_first(s.rho),
@@ -134,5 +169,14 @@ def health(state) -> Health:
                 _total(s.num_bad_damping) // devices,
                 _total(s.num_bad_updates) // devices)
     blocks = [c // devices for c in _block_counts(s.blocks)]
-    totals += np.array(list(counters) + blocks, np.int64)
-  return Health(*(int(t) for t in totals), **extra)
+    clipped = _total(s.num_clipped) // devices
+    totals += np.array(list(counters) + blocks + [clipped], np.int64)
+    first = np.asarray(s.param_norm_first, np.float64).ravel()
+    last = np.asarray(s.param_norm, np.float64).ravel()
+    with np.errstate(divide="ignore", invalid="ignore"):
+      ratio = np.where(first > 0, last / np.where(first > 0, first, 1), 1.0)
+    if np.max(count) > 0:
+      ratio = np.where(np.isfinite(last), ratio, np.inf)
+      growth = max(growth, float(np.max(ratio)))
+  *counts, clipped = (int(t) for t in totals)
+  return Health(*counts, **extra, clipped=clipped, param_growth=growth)

@@ -28,8 +28,11 @@ Each ``update``:
 
 Defaults (``damping=1e-3``, ``norm_constraint=1.0``, ``inverse_every=10``
 with the young refreshes) are the README's recommended settings: chained
-with ``optax.sgd(lr, momentum=0.9)`` at any lr from 0.01 to 0.1 they train
-ordinary small models (``benchmarks/robustness.py``).
+with ``optax.sgd(lr, momentum=0.9)`` at lr 0.01 they train ordinary small
+models (``benchmarks/robustness.py``). The KL clip bounds the update before
+the learning rate scales it: at a larger lr pass
+``norm_constraint=(0.01 / lr)**2`` to keep lr 0.01's bound (issue 24: with
+the defaults two Haiku conv nets did not train at lr 0.1).
 
 Safe fallbacks (``kfl.health(state)`` prints every counter): non-finite
 gradients give a zero update (the step is skipped) and count in
@@ -82,6 +85,11 @@ class KfacState(NamedTuple):
   num_bad_updates: Any  # int32: preconditioned updates replaced by the gradient.
   num_bad_damping: Any  # int32: updates skipped for a damping that is not > 0.
   num_nonfinite_params: Any  # int32: updates called with non-finite params.
+  # Issue 24: what ``kfl.health`` needs to tell a run that blows up its
+  # parameters or is held by the KL clip from one that trains.
+  num_clipped: Any  # int32: updates the KL clip scaled down (s < 1).
+  param_norm_first: Any  # ‖θ‖ at the first update (curvature dtype).
+  param_norm: Any  # ‖θ‖ at the latest update (curvature dtype).
 
 
 def float_dtype(tree):
@@ -438,7 +446,9 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
         blocks={l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))
                 for l in tagged_for(params).layers},
         num_bad_grads=zero(), num_bad_updates=zero(), num_bad_damping=zero(),
-        num_nonfinite_params=zero())
+        num_nonfinite_params=zero(), num_clipped=zero(),
+        param_norm_first=jnp.zeros((), float_dtype(leaves)),
+        param_norm=jnp.zeros((), float_dtype(leaves)))
 
   def update_fn(grads, state, params=None, *, batch=None, stats=None,
                 damping=None, **extra_args):
@@ -487,17 +497,24 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
                      axis_name=axis_name)
     leaves, treedef = jax.tree.flatten(grads)
     out = precondition(layers, states, leaves, lam, precon_power)
-    out, grads_ok, update_ok = guard(
-        out, leaves, damping_ok, clip(out, leaves, norm_constraint, dtype))
+    scale = clip(out, leaves, norm_constraint, dtype)
+    out, grads_ok, update_ok = guard(out, leaves, damping_ok, scale)
     good = grads_ok & damping_ok
     count = lambda x: x.astype(jnp.int32)
+    norm = jnp.sqrt(sum((jnp.vdot(p, p).real.astype(dtype)
+                         for p in jax.tree.leaves(params)),
+                        jnp.zeros((), dtype)))
     new_state = KfacState(
         count=state.count + 1, key=key, blocks=states,
         num_bad_grads=state.num_bad_grads + count(~grads_ok),
         num_bad_updates=state.num_bad_updates + count(good & ~update_ok),
         num_bad_damping=state.num_bad_damping + count(~damping_ok),
         num_nonfinite_params=state.num_nonfinite_params
-        + count(~fac.all_finite(params)))
+        + count(~fac.all_finite(params)),
+        num_clipped=state.num_clipped + count(good & update_ok & (scale < 1)),
+        param_norm_first=jnp.where(state.count == 0, norm,
+                                   state.param_norm_first),
+        param_norm=norm)
     return jax.tree.unflatten(treedef, out), new_state
 
   update_fn.layers = tagged_for
