@@ -129,6 +129,15 @@ def assert_paths_rounding_close(actual, desired, terms, depth=1):
                           scale=scale, err_msg=str(path))
 
 
+def split_batch(batch, sizes):
+  """Consecutive slices of ``sizes`` examples of every leaf of ``batch``."""
+  out, start = [], 0
+  for s in sizes:
+    out.append(jax.tree.map(lambda a: a[start:start + s], batch))
+    start += s
+  return out
+
+
 def flat(tree):
   """A pytree's leaves, raveled and concatenated, as float64 numpy."""
   leaves = jax.tree.leaves(tree)

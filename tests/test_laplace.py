@@ -17,7 +17,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax_lite as kfl
-from _helpers import assert_rounding_close, rounding_tol, x64_mode
+from _helpers import assert_rounding_close, rounding_tol, split_batch, x64_mode
 
 N = 6
 STRUCTURES = ("full", "diag", "kron")
@@ -115,11 +115,7 @@ def _data(x64):
 
 
 def _batches(batch, sizes):
-  out, start = [], 0
-  for s in sizes:
-    out.append(jax.tree.map(lambda a: a[start:start + s], batch))
-    start += s
-  return out
+  return split_batch(batch, sizes)
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,7 +23,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax_lite as kfl
-from _helpers import x64_mode
+from _helpers import split_batch, x64_mode
 
 N, D_IN, H = 6, 3, 4
 T, K = 2, 3  # Tokens per example and classes per token.
@@ -96,11 +96,7 @@ def _data(out):
 
 
 def _split(batch):
-  out, start = [], 0
-  for s in SIZES:
-    out.append(jax.tree.map(lambda a: a[start:start + s], batch))
-    start += s
-  return out
+  return split_batch(batch, SIZES)
 
 
 @functools.lru_cache(maxsize=None)
