@@ -119,12 +119,14 @@ def check_has_loss(tagged, estimation, where):
   """Raises unless ``estimation`` can be computed from ``tagged``'s trace.
 
   Every estimation but ``"empirical"`` draws its output cotangents from a
-  registered loss's distribution (``u = ∇_z ℓ(z, t)`` with ``t`` sampled, or
-  the loss's Hessian factor); without one only the empirical statistics (the
-  per-example gradients, a mean over the batch assumed) are defined.  Checked
-  when ``where`` (``kfl.kfac``'s ``tx.init``, ``kfl.kfac_optimizer``'s
-  ``tx.init``, ``kfl.value_grad_and_stats``) is built or initialised, so the
-  error comes before any step.
+  loss's predictive distribution (``u = ∇_z ℓ(z, t)`` with ``t`` sampled,
+  or the loss's Hessian factor): a registered loss, or a standard one
+  recognised in the jaxpr (``kfl.tagging``); without one only the empirical
+  statistics (the per-example gradients, a mean over the batch assumed) are
+  defined. Checked when ``where`` (``kfl.kfac``'s ``tx.init``,
+  ``kfl.kfac_optimizer``'s ``tx.init``, ``kfl.value_grad_and_stats``,
+  ``kfl.describe`` given an estimation, ``kfl.laplace.fit``) is built or
+  initialised, so the error comes before any step.
 
   Args:
     tagged: the ``tagging.TaggedLoss`` of the loss function.
@@ -133,12 +135,17 @@ def check_has_loss(tagged, estimation, where):
   """
   if tagged.losses or estimation == "empirical":
     return
+  seen = ("; its terms: " + "; ".join(tagged.unrecognised)
+          if tagged.unrecognised else "")
   raise ValueError(
-      f"{where}: estimation={estimation!r} needs a registered loss, and none "
-      "was found in loss_fn: compute the loss with kfl.softmax_cross_entropy, "
+      f"{where}: estimation={estimation!r} needs a registered or recognised "
+      f"loss, and none was found in loss_fn{seen}. Compute the loss with "
+      "kfl.softmax_cross_entropy, "
       "kfl.softmax_cross_entropy_with_integer_labels, "
       "kfl.sigmoid_binary_cross_entropy, kfl.squared_error (or "
-      "kfl.registered_loss), or use estimation='empirical'")
+      "kfl.registered_loss), or with optax's namesakes or a standard form "
+      "written out (recognised: see kfl.describe), or use "
+      "estimation='empirical' (per-example gradients; any batch)")
 
 
 def _per_example(c_elem, n):

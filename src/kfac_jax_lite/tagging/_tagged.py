@@ -11,12 +11,12 @@ import numpy as np
 
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite import losses
-from kfac_jax_lite.tagging import _losses
 from kfac_jax_lite.tagging import _analysis
 from kfac_jax_lite.tagging import _blocks
 from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
 from kfac_jax_lite.tagging import _layers
+from kfac_jax_lite.tagging import _losses
 from kfac_jax_lite.tagging import _vma
 
 
@@ -67,6 +67,7 @@ class _Trace:
   opaque: list
   losses: list
   penalties: list
+  unrecognised: list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,8 @@ class LossTag:
   values_shape: tuple
   values_dtype: Any
   values_vma: frozenset = frozenset()  # under shard_map(check_vma=True)
+  # A loss recognised in the jaxpr (``_losses.Recognised``); None: registered.
+  recognised: Any = None
 
   def split(self, captures):
     """``(outputs, targets)``: this loss's captured model outputs and
@@ -153,6 +156,9 @@ class TaggedLoss:
         tr.uses, tr.opaque, self.paths, self.leaf_shapes, batch_size(batch),
         tuple(exclude), tr.penalties)
     self.losses = tuple(tr.losses)
+    #: The loss's terms no loss was recognised in (``describe``'s notes).
+    self.unrecognised = tuple(tr.unrecognised)
+    self.closed = tr.closed
     self._active = sorted(u for l in self.layers for u in l.use_ids)
     self._signatures = {i: _signature(tr.uses[i]) for i in self._active}
 
@@ -207,16 +213,18 @@ class TaggedLoss:
       hint = (" (use has_aux=True for (loss, aux))"
               if isinstance(loss_shape, (tuple, list)) else "")
       raise ValueError(f"loss_fn must return a scalar loss, got {got}{hint}")
-    closed = _losses.recognise(closed)  # optax's CE as its registered twin.
+    # Hand-written losses get their registered twin's tag (``_losses``).
+    closed, records, unrecognised = _losses.recognise(
+        closed, len(self.leaf_shapes))
     uses, opaque, penalties = _analysis.analyse(closed.jaxpr,
                                                 self.leaf_shapes)
     tags = [LossTag(-1 - j, key, eqn.params["distribution"],
                     eqn.params["num_outputs"], tuple(eqn.outvars[0].aval.shape),
                     eqn.outvars[0].aval.dtype,
-                    _vma.aval_vma(eqn.outvars[0].aval))
+                    _vma.aval_vma(eqn.outvars[0].aval), records.get(id(eqn)))
             for j, (key, eqn) in enumerate(find_loss_tags(closed.jaxpr))]
     return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags,
-                  penalties)
+                  penalties, unrecognised)
 
   def _checked_trace(self, params, batch):
     tr = self._trace(params, batch)
