@@ -358,12 +358,14 @@ def test_describe_says_when_no_registered_loss_was_found():
   params = {"w": jnp.ones((5, 3))}
   batch = {"x": jnp.ones((6, 5)), "t": jnp.zeros((6, 3))}
   lines = str(kfl.describe(loss_fn, params, batch)).splitlines()
-  assert lines[-2].startswith("loss: none registered or recognised — "
-                              "estimation='empirical' only"), lines[-2]
-  assert "kfl.softmax_cross_entropy_with_integer_labels" in lines[-2]
-  assert lines[-1] == (
+  assert lines[-3].startswith("loss: none registered or recognised — "
+                              "estimation='empirical' only"), lines[-3]
+  assert "kfl.softmax_cross_entropy_with_integer_labels" in lines[-3]
+  assert lines[-2] == (
       "loss terms not recognised (no curvature from them): a scalar term "
-      "from `div` (reaches `abs` without a loss head)"), lines[-1]
+      "from `div` (reaches `abs` without a loss head)"), lines[-2]
+  assert lines[-1] == ("examples: the leading axis (N=6) of batch/t, batch/x "
+                       "(the batch's arrays)"), lines[-1]
   kfl.describe(loss_fn, params, batch, estimation="empirical")
   with pytest.raises(ValueError, match="kfl.describe: estimation='fisher' "
                      "needs a registered or recognised loss"):

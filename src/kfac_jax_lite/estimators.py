@@ -337,7 +337,7 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
 
   if not tagged.losses:
     check_has_loss(tagged, estimation, "value_grad_and_stats")
-    n = _batch_size(batch)
+    n = _batch_size(tagged, batch)
     c_i = jnp.full((n,), 1.0 / n, _float(loss.dtype))
     cots = {u: probe_ct[u][None] * n for u in layer_uids}
     stats = _layer_stats(tagged, caps, cots, c_i, states)
@@ -398,11 +398,15 @@ def linearized_outputs(tagged: tagging.TaggedLoss, params, batch):
           tuple(t.split(caps)[1] for t in tagged.losses), jvp_fn)
 
 
-def _batch_size(batch):
-  n = tagging.batch_size(batch)
-  if n is None:
-    raise ValueError("estimation='empirical' without a registered loss needs "
-                     "a batch whose arrays share one leading batch size")
+def _batch_size(tagged, batch):
+  """N for the empirical statistics without a loss: the leading size of
+  the batch leaves the detection took as examples (``tagged.examples``,
+  which ``describe`` names)."""
+  if tagged.examples.size is None:
+    raise ValueError("estimation='empirical' without a registered or "
+                     "recognised loss needs a batch with an example axis: no "
+                     "batch leaf has a leading axis")
+  n = tagged.examples.count(batch)
   if n == 0:
     raise ValueError("the batch is empty (its arrays have a leading batch "
                      "size of 0)")

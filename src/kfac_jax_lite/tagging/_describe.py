@@ -103,6 +103,8 @@ def loss_lines(tagged):
   if tagged.unrecognised:
     lines.append("loss terms not recognised (no curvature from them): "
                  + "; ".join(tagged.unrecognised))
+  if not tagged.losses:
+    lines.append(tagged.examples.describe())
   return tuple(lines)
 
 

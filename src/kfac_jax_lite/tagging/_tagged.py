@@ -13,6 +13,7 @@ from kfac_jax_lite import blocks as B
 from kfac_jax_lite import losses
 from kfac_jax_lite.tagging import _analysis
 from kfac_jax_lite.tagging import _blocks
+from kfac_jax_lite.tagging import _examples
 from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
 from kfac_jax_lite.tagging import _layers
@@ -152,8 +153,11 @@ class TaggedLoss:
     self.batch_treedef = jax.tree.structure(batch)
     tr = self._trace(params, batch)
     self._uses = tr.uses
+    #: Which batch leaves hold the examples (``_examples``): the empirical
+    #: estimation without a loss reads N from them.
+    self.examples = _examples.find(batch, tr.uses)
     self.layers, self.excluded = _layers.build_layers(
-        tr.uses, tr.opaque, self.paths, self.leaf_shapes, batch_size(batch),
+        tr.uses, tr.opaque, self.paths, self.leaf_shapes, self.examples.size,
         tuple(exclude), tr.penalties)
     self.losses = tuple(tr.losses)
     #: The loss's terms no loss was recognised in (``describe``'s notes).
