@@ -172,13 +172,13 @@ class LossGraph:
 def evaluate(graph, nodes, inputs):
   """The values of ``nodes`` (in order) from ``inputs`` ``{id: array}``;
   literal and constant ids take their values. Returns the environment."""
-  from kfac_jax_lite.tagging._interpret import _bind
+  from kfac_jax_lite.tagging._interpret import bind_equation
   env = dict(inputs)
 
   def read(i):
     return env[i] if i in env else graph.value[i]
 
   for node in nodes:
-    outs = _bind(node.eqn, [read(i) for i in node.ins])
+    outs = bind_equation(node.eqn, [read(i) for i in node.ins])
     env.update(zip(node.outs, outs))
   return env

@@ -359,8 +359,7 @@ def output_layers(tagged):
   outputs its model outputs are computed from (the nearest on every path
   back from them), for ``describe``."""
   graph = _loss_graph.LossGraph(tagged.closed, len(tagged.leaf_shapes))
-  probes = {tagged._uses[u].probe_key: l.name
-            for l in tagged.layers for u in l.use_ids}
+  probes = tagged.layer_outputs
   by_key = {n.key: n for n in graph.nodes}
   found = []
   for t in tagged.losses:

@@ -187,6 +187,13 @@ class TaggedLoss:
   def fallbacks(self):
     return tuple(l for l in self.layers if l.is_fallback)
 
+  @property
+  def layer_outputs(self):
+    """``{equation key: layer name}`` of the equations whose output each
+    layer use probes (its output), in ``closed``'s keys."""
+    return {self._uses[u].probe_key: l.name
+            for l in self.layers for u in l.use_ids}
+
   def layer(self, name):
     for l in self.layers:
       if l.name == name or name in l.params:
