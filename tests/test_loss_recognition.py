@@ -152,3 +152,107 @@ def test_hand_written_loss_has_its_registered_twins_statistics(form):
         _assert_same((got.loss, got.grads, got.stats, got.weights),
                      (want.loss, want.grads, want.stats, want.weights),
                      f"{form}, {r}, {e}")
+
+
+def _framework_cases():
+  """name -> (hand-written loss, its registered twin, params, batch) of a
+  float64 model; call in x64 mode."""
+  params, batch = _data()
+  cases = {}
+
+  def per_example(p, b):  # A single example's CE, vmapped over the batch.
+    ce = lambda z, y: optax.softmax_cross_entropy_with_integer_labels(z, y)
+    return jnp.mean(jax.vmap(ce)(_logits(p, b), b["y"]))
+
+  cases["vmap_per_example"] = (
+      per_example, lambda p, b: kfl.softmax_cross_entropy_with_integer_labels(
+          _logits(p, b), b["y"]).mean(), params, batch)
+  cases["jit"] = (
+      jax.jit(lambda p, b: optax.sigmoid_binary_cross_entropy(
+          _logits(p, b), b["tb"]).mean()),
+      lambda p, b: kfl.sigmoid_binary_cross_entropy(
+          _logits(p, b), b["tb"]).mean(), params, batch)
+
+  @jax.custom_jvp
+  def log_softmax(z):
+    return z - jax.nn.logsumexp(z, -1, keepdims=True)
+
+  @log_softmax.defjvp
+  def _(primals, tangents):
+    (z,), (dz,) = primals, tangents
+    y = log_softmax(z)
+    return y, dz - jnp.sum(jnp.exp(y) * dz, -1, keepdims=True)
+
+  cases["custom_jvp"] = (
+      lambda p, b: -jnp.take_along_axis(log_softmax(_logits(p, b)),
+                                        b["y"][:, None], -1).mean(),
+      lambda p, b: kfl.softmax_cross_entropy_with_integer_labels(
+          _logits(p, b), b["y"]).mean(), params, batch)
+
+  import flax.linen as nn
+  mlp = nn.Sequential([nn.Dense(5, param_dtype=jnp.float64), nn.tanh,
+                       nn.Dense(K, param_dtype=jnp.float64)])
+  fp = mlp.init(jax.random.PRNGKey(0), batch["x"])
+  cases["flax_linen"] = (
+      lambda p, b: optax.softmax_cross_entropy(
+          mlp.apply(p, b["x"]), b["onehot"]).mean(),
+      lambda p, b: kfl.softmax_cross_entropy(
+          mlp.apply(p, b["x"]), b["onehot"]).mean(), fp, batch)
+
+  import haiku as hk
+
+  def haiku_loss(registered):
+    def f(x, y):  # Haiku's MNIST example: one sum, then ÷ the batch.
+      logits = hk.nets.MLP([5, K], activation=jnp.tanh)(x)
+      labels = jax.nn.one_hot(y, K, dtype=logits.dtype)
+      if registered:
+        return kfl.softmax_cross_entropy(logits, labels).sum() / x.shape[0]
+      return -jnp.sum(labels * jax.nn.log_softmax(logits)) / x.shape[0]
+    t = hk.without_apply_rng(hk.transform(f))
+    return t, lambda p, b: t.apply(p, b["x"], b["y"])
+
+  t, plain = haiku_loss(False)
+  hp = jax.tree.map(lambda a: a.astype(jnp.float64),
+                    t.init(jax.random.PRNGKey(0), batch["x"], batch["y"]))
+  cases["haiku"] = (plain, haiku_loss(True)[1], hp, batch)
+
+  import equinox as eqx
+  model = eqx.nn.MLP(3, K, 5, 1, activation=jnp.tanh,
+                     key=jax.random.PRNGKey(0), dtype=jnp.float64)
+  ep, static = eqx.partition(model, eqx.is_array)
+
+  def eqx_loss(p, b):  # A per-example squared error under filter_vmap.
+    net = eqx.combine(p, static)
+    per = eqx.filter_vmap(lambda x, t: jnp.sum((net(x) - t) ** 2))
+    return jnp.mean(per(b["x"], b["t"]))
+
+  cases["equinox_filter_vmap"] = (
+      eqx_loss, lambda p, b: kfl.squared_error(
+          jax.vmap(eqx.combine(p, static))(b["x"]), b["t"]).sum(-1).mean(),
+      ep, batch)
+  return cases
+
+
+FRAMEWORKS = ("vmap_per_example", "jit", "custom_jvp", "flax_linen", "haiku",
+              "equinox_filter_vmap")
+
+
+@pytest.mark.parametrize("case", FRAMEWORKS)
+def test_recognised_inside_frameworks_and_transforms(case):
+  with x64_mode(True):
+    plain, twin, params, batch = _framework_cases()[case]
+    fns = {(e, which): kfl.value_grad_and_stats(f, params, batch,
+                                                estimation=e)
+           for e in ESTIMATIONS for which, f in (("plain", plain),
+                                                  ("twin", twin))}
+    (tag,) = fns[("fisher", "plain")].tagged.losses
+    assert tag.recognised is not None, case
+    assert not fns[("fisher", "plain")].tagged.unrecognised
+    key = jax.random.PRNGKey(3)
+    out = jax.jit(lambda p, b: {k: fn(p, b, key) for k, fn in fns.items()})(
+        params, batch)
+    for e in ESTIMATIONS:
+      got, want = out[(e, "plain")], out[(e, "twin")]
+      _assert_same((got.loss, got.grads, got.stats, got.weights),
+                   (want.loss, want.grads, want.stats, want.weights),
+                   f"{case}, {e}")
