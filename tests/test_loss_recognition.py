@@ -256,3 +256,24 @@ def test_recognised_inside_frameworks_and_transforms(case):
       _assert_same((got.loss, got.grads, got.stats, got.weights),
                    (want.loss, want.grads, want.stats, want.weights),
                    f"{case}, {e}")
+
+
+def test_a_fitted_variance_survives_a_retrace_at_another_batch_size():
+  """A Gaussian of σ = 0.3 in float32: its variance is fitted (not a round
+  number); the step's re-trace at other batch sizes must find the same
+  distribution, not one refitted at other draws."""
+  def loss(p, b):
+    return jnp.mean(0.5 * ((_logits(p, b) - b["t"]) / SIGMA) ** 2)
+
+  params = {"w1": jnp.asarray(rand(0, (3, 5), np.float32)),
+            "w2": jnp.asarray(rand(1, (5, K), np.float32))}
+  batch = lambda n: {"x": jnp.asarray(rand(n, (n, 3), np.float32)),
+                     "t": jnp.asarray(rand(n + 1, (n, K), np.float32))}
+  fn = kfl.value_grad_and_stats(loss, params, batch(N))
+  (tag,) = fn.tagged.losses
+  # float32 rounding of 0.3² and of the fit: a few ulps of 0.09.
+  np.testing.assert_allclose(tag.distribution.variance, SIGMA ** 2,
+                             rtol=1e-6)
+  step = jax.jit(fn)
+  for n in (5, 7):  # Each a new trace of the same loss.
+    assert np.isfinite(step(params, batch(n), jax.random.PRNGKey(0)).loss)

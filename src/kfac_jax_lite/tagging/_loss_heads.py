@@ -215,16 +215,26 @@ def _fingerprint(graph, nodes, v, o, kind):
   return (kind, roles, body, ref(v))
 
 
-def _verified(graph, v, o, nodes, kind):
+def _verified(graph, v, o, nodes, kind, scope, memo):
+  """``_loss_kinds.verify``'s scale, evaluated once per fingerprint in the
+  process, and once per position in the loss for ``memo`` (a re-trace of
+  the same loss at another batch size must find the same distribution,
+  which a refit of ``a`` in float32 at other draws might round apart)."""
+  how = lambda i: None if i is None else graph.home_in(i, scope).how
+  where = (kind.name, kind.summed, scope, how(v), how(o), how(kind.target),
+           tuple(map(how, kind.masks)), tuple((n.key, n.name) for n in nodes))
+  if where in memo:
+    return memo[where]
   key = _fingerprint(graph, nodes, v, o, kind)
   if key not in _VERIFIED:
     if len(_VERIFIED) >= _VERIFIED_MAX:
       _VERIFIED.pop(next(iter(_VERIFIED)))
     _VERIFIED[key] = K.verify(graph, v, o, nodes, kind)
-  return _VERIFIED[key]
+  memo[where] = _VERIFIED[key]
+  return memo[where]
 
 
-def _matches(graph, v, o, scope, need_target=False):
+def _matches(graph, v, o, scope, memo, need_target=False):
   """The ``(Kind, scale a, nodes)`` of the head from ``o`` to ``v``, or
   None (module doc). Extras are first traced back to common sources
   (``_unified``); then, while they fit no kind, the latest to its source
@@ -242,7 +252,7 @@ def _matches(graph, v, o, scope, need_target=False):
     kinds = K.kinds(graph, v, o, extras, {n.name for n in nodes})
     kinds = [k for k in kinds if k.target is not None or not need_target]
     for kind in kinds:
-      a = _verified(graph, v, o, nodes, kind)
+      a = _verified(graph, v, o, nodes, kind, scope, memo)
       if a is not None:
         return kind, a, nodes
     if kinds:
@@ -254,13 +264,14 @@ def _matches(graph, v, o, scope, need_target=False):
   return None
 
 
-def find_head(graph, v):
+def find_head(graph, v, memo):
   """The ``Head`` whose values are ``v``, or None (module docstring).
 
   Dominators are tried closest first; a head without a target (a squared
   error of ``pred - t`` against zeros) gives way to one further back that
   has one (``pred`` against ``t``). A head's verification is evaluated once
-  per fingerprint in the process (``_VERIFIED``)."""
+  per fingerprint in the process (``_VERIFIED``) and once per position in
+  the loss (``memo``, kept by the caller across re-traces)."""
   if not (graph.is_float(v) and v in graph.pdep and v in graph.bdep
           and graph.shape(v)):
     return None
@@ -270,7 +281,7 @@ def find_head(graph, v):
   scope = homes[0].scope
   first = None
   for o in _dominators(graph, v):
-    got = _matches(graph, v, o, scope, need_target=first is not None)
+    got = _matches(graph, v, o, scope, memo, need_target=first is not None)
     if got is None:
       continue
     kind, a, nodes = got

@@ -1,6 +1,6 @@
 """Recognising hand-written losses in the traced jaxpr (issue 23).
 
-``recognise(closed, num_params)`` returns the loss's jaxpr with a
+``recognise(closed, num_params, memo)`` returns the loss's jaxpr with a
 ``loss_tag`` (``losses.loss_tag_p``, the registered losses' own mark)
 inserted at every loss it recognises, so the estimators, the scale
 convention (element weights ``c`` read from the backward pass to the tag:
@@ -90,7 +90,7 @@ def _continues(graph, node):
   return None
 
 
-def _walk(graph):
+def _walk(graph, memo):
   """``(heads, paths, unrecognised)``: the heads found, each with its path
   of chain nodes (loss output first), and the terms not recognised: the
   outermost value of each part of the loss no loss was found in, with the
@@ -109,7 +109,7 @@ def _walk(graph):
     if node is None or node.name == losses.loss_tag_p.name:
       found[0] += node is not None
       return []  # A registered loss (or an input).
-    head = _loss_heads.find_head(graph, i)
+    head = _loss_heads.find_head(graph, i, memo)
     if head is not None:
       heads.append(head)
       paths.append(tuple(path))
@@ -324,17 +324,19 @@ def _rewrite(jaxpr, scope, marks):
   return jaxpr, records
 
 
-def recognise(closed, num_params):
+def recognise(closed, num_params, memo):
   """``(closed', records, unrecognised)``: ``closed`` with a tag at each
   recognised loss (module doc), ``{id(tag equation): Recognised}``, and the
   terms of the loss no head was found for (``describe``'s notes).
 
-  ``num_params``: the leading jaxpr inputs that are parameter leaves."""
+  ``num_params``: the leading jaxpr inputs that are parameter leaves;
+  ``memo``: a dict the caller keeps across re-traces of one loss
+  (``_loss_heads.find_head``)."""
   try:
     graph = _loss_graph.LossGraph(closed, num_params)
   except Exception:  # An unusual jaxpr: nothing recognised.
     return closed, {}, []
-  heads, paths, unrecognised = _walk(graph)
+  heads, paths, unrecognised = _walk(graph, memo)
   marks = {}
   for head, path in zip(heads, paths):
     v_home = graph.defined_homes(head.values)[0]

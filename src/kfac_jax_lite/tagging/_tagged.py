@@ -151,6 +151,7 @@ class TaggedLoss:
     self.has_aux = has_aux
     self.param_treedef, self.paths, self.leaf_shapes = _check_params(params)
     self.batch_treedef = jax.tree.structure(batch)
+    self._heads_memo = {}  # ``_losses.recognise``'s, across re-traces.
     tr = self._trace(params, batch)
     self._uses = tr.uses
     #: Which batch leaves hold the examples (``_examples``): the empirical
@@ -226,7 +227,7 @@ class TaggedLoss:
       raise ValueError(f"loss_fn must return a scalar loss, got {got}{hint}")
     # Hand-written losses get their registered twin's tag (``_losses``).
     closed, records, unrecognised = _losses.recognise(
-        closed, len(self.leaf_shapes))
+        closed, len(self.leaf_shapes), self._heads_memo)
     uses, opaque, penalties = _analysis.analyse(closed.jaxpr,
                                                 self.leaf_shapes)
     tags = [LossTag(-1 - j, key, eqn.params["distribution"],
