@@ -3,7 +3,8 @@ from one forward pass.
 
 Scale (one definition for every estimator, loss and reduction). For
 ``L = Σ_e c_e ℓ_e`` over the loss elements ``e`` of the registered losses
-(an element is one value of the loss's output: an example, a token, an
+(and of those recognised in the jaxpr, which carry the same tag:
+``kfl.tagging``) (an element is one value of the loss's output: an example, a token, an
 output unit, a pixel; ``c_e`` is read from the backward pass to those
 values), example ``i`` has weight ``c_i = Σ_{e ∈ i} c_e``. The statistics
 are
@@ -41,14 +42,15 @@ with ``u_e`` by estimation mode:
   of equal weight per example it is ``k`` times that of the per-example
   mean ``ℓ_i = (1/k) Σ_{e∈i} ℓ_e``, which keeps the expectation above (the
   per-example gradient's outer product would be ``1/k`` of the Fisher).
-  Without a registered loss there are no elements to see: the layer
-  cotangents of ``L`` itself are used, assuming ``L`` is a mean over the
-  batch (``c_i = 1/N``, ``h_i = N ∂L/∂y_i``, the gradient of example i's
-  share of ``L`` times N), the per-example empirical Fisher: equal to the
-  registered loss's for one element per example, ``1/k`` of it for ``k``
-  elements of equal weight (``jnp.mean((o - t) ** 2)`` over ``C`` outputs
-  gives ``1/C`` of ``kfl.squared_error(o, t).mean()``). Fallback blocks
-  then see ``√N ∇L`` (no per-example gradients: exact for one example).
+  Without a registered or recognised loss there are no elements to see:
+  the layer cotangents of ``L`` itself are used, assuming ``L`` is a mean
+  over the batch (``c_i = 1/N``, ``h_i = N ∂L/∂y_i``, the gradient of
+  example i's share of ``L`` times N; ``N`` the leading size of the batch
+  leaves that hold examples, ``TaggedLoss.examples``), the per-example
+  empirical Fisher: equal to a registered loss's for one element per
+  example, ``1/k`` of it for ``k`` elements of equal weight. Fallback
+  blocks then see ``√N ∇L`` (no per-example gradients: exact for one
+  example).
 * ``"curvature_prop"`` — ``u = B r`` with ``B Bᵀ = M`` and Rademacher ``r``
   (Martens et al. 2012).
 * ``"exact"`` — every column of ``B`` (one batched backward pass over the
@@ -446,7 +448,8 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
     estimation: how the output cotangents behind the statistics are drawn
       (module docstring): ``"fisher"`` (targets sampled from the model's
       registered predictive distribution: the true Fisher), ``"empirical"``
-      (``"fisher"`` at the data targets; works without a registered loss),
+      (``"fisher"`` at the data targets; works without a registered or
+      recognised loss),
       ``"curvature_prop"`` (Rademacher projections of a square root of the
       output Fisher), ``"exact"`` (all its columns: the exact Kronecker
       factors, cost × output size), and ``"curvature_prop_ggn"``,

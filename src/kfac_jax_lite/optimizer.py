@@ -117,8 +117,9 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
       ``has_aux``), computed with a registered loss
-      (``kfl.softmax_cross_entropy``, ...): the quadratic model needs its
-      output curvature.
+      (``kfl.softmax_cross_entropy``, ...) or a standard one recognised in
+      the jaxpr (optax's, or written out): the quadratic model needs its
+      output curvature (``init`` refuses a loss without one).
     example_batch: a batch (arrays or ``jax.ShapeDtypeStruct``s), only
       traced to find the layers.
     initial_damping: the starting ``λ`` of the Levenberg–Marquardt
