@@ -45,6 +45,7 @@ from kfac_jax_lite.tagging import _analysis
 from kfac_jax_lite.tagging import _loss_graph
 from kfac_jax_lite.tagging import _loss_heads
 from kfac_jax_lite.tagging import _loss_kinds
+from kfac_jax_lite.tagging import _vma
 
 # Linear in every parameter-dependent operand.
 _LINEAR = frozenset({
@@ -337,6 +338,13 @@ def recognise(closed, num_params, memo):
   except Exception:  # An unusual jaxpr: nothing recognised.
     return closed, {}, []
   heads, paths, unrecognised = _walk(graph, memo)
+  if any(_vma.aval_vma(a) for a in graph.aval.values()):
+    # Traced inside shard_map(check_vma=True): the heads' pvary casts do not
+    # evaluate outside it and a mark would need the varying axes.
+    return closed, {}, [f"{u}; inside shard_map(check_vma=True) no loss is "
+                        "recognised: register it (kfl.softmax_cross_entropy"
+                        ", ...)" for u in unrecognised + [
+                            f"a {_forms(h)[0]}" for h in heads]]
   marks = {}
   for head, path in zip(heads, paths):
     v_home = graph.defined_homes(head.values)[0]
