@@ -277,3 +277,36 @@ def test_a_fitted_variance_survives_a_retrace_at_another_batch_size():
   step = jax.jit(fn)
   for n in (5, 7):  # Each a new trace of the same loss.
     assert np.isfinite(step(params, batch(n), jax.random.PRNGKey(0)).loss)
+
+
+def test_two_hand_written_losses_in_one_loss_fn():
+  """A classifier head and a regression head trained together: both are
+  recognised (and an L1 term reported, not), with the statistics of the
+  same two losses registered."""
+  def loss(registered):
+    def fn(p, b):
+      z = _logits(p, b)
+      if registered:
+        ce = kfl.softmax_cross_entropy_with_integer_labels(z[:, :2], b["y"] % 2)
+        se = kfl.squared_error(z[:, 2:], b["t"][:, 2:])
+      else:
+        ce = optax.softmax_cross_entropy_with_integer_labels(z[:, :2],
+                                                            b["y"] % 2)
+        se = (z[:, 2:] - b["t"][:, 2:]) ** 2
+      return ce.mean() + 0.5 * se.sum(-1).mean() + 0.1 * jnp.abs(z).mean()
+    return fn
+
+  with x64_mode(True):
+    params, batch = _data()
+    fns = [kfl.value_grad_and_stats(loss(r), params, batch) for r in (0, 1)]
+    plain = fns[0].tagged
+    assert [type(t.distribution).__name__ for t in plain.losses] == [
+        "Categorical", "Normal"]
+    assert all(t.recognised is not None for t in plain.losses)
+    assert plain.unrecognised == (
+        "a scalar term from `mul` (reaches `abs` without a loss head)",)
+    key = jax.random.PRNGKey(3)
+    got, want = jax.jit(lambda p, b: [fn(p, b, key) for fn in fns])(
+        params, batch)
+    _assert_same((got.loss, got.grads, got.stats, got.weights),
+                 (want.loss, want.grads, want.stats, want.weights), "two")

@@ -291,7 +291,10 @@ def _insert(jaxpr, j, marker, operands):
   tag = next(e for e in new_eqns if e.primitive is losses.loss_tag_p)
   old = operands[0]
   after = lambda v: out if v is old else v
+  # Equations that do not read ``old`` keep their identity (an earlier
+  # mark's tag is found again by it).
   rest = [e.replace(invars=[after(v) for v in e.invars])
+          if any(v is old for v in e.invars) else e
           for e in jaxpr.eqns[j + 1:]]
   eqns = list(jaxpr.eqns[:j + 1]) + new_eqns + rest
   return jaxpr.replace(eqns=eqns, outvars=[after(v) for v in jaxpr.outvars]), tag
