@@ -310,3 +310,25 @@ def test_two_hand_written_losses_in_one_loss_fn():
         params, batch)
     _assert_same((got.loss, got.grads, got.stats, got.weights),
                  (want.loss, want.grads, want.stats, want.weights), "two")
+
+
+def test_a_large_head_is_verified_on_two_examples(monkeypatch):
+  """A head above VERIFY_LIMIT output elements (an LM's logits) is checked
+  on a trace of the loss at 2 examples, not at the batch's size; a loss
+  that only traces at its own batch size is checked at it."""
+  from kfac_jax_lite.tagging import _loss_heads, _tagged
+  monkeypatch.setattr(_tagged, "VERIFY_LIMIT", 10)
+  monkeypatch.setattr(_loss_heads, "_VERIFIED", {})
+  params = {"w1": jnp.asarray(rand(0, (3, 5), np.float32)),
+            "w2": jnp.asarray(rand(1, (5, K), np.float32))}
+  batch = {"x": jnp.asarray(rand(2, (N, 3), np.float32)),
+           "y": jnp.arange(N) % K}
+  fixed_size = lambda p, b: -jax.nn.log_softmax(_logits(p, b))[
+      jnp.arange(N), b["y"]].mean()  # Traces at N examples only.
+  for loss, n in ((lambda p, b: optax.softmax_cross_entropy_with_integer_labels(
+      _logits(p, b), b["y"]).mean(), 2), (fixed_size, N)):
+    _loss_heads._VERIFIED.clear()
+    (tag,) = kfl.tagging.find_layers(loss, params, batch).losses
+    assert tag.recognised is not None
+    shapes = {ref[1] for _, (ref, *_), *_ in _loss_heads._VERIFIED}
+    assert shapes == {f"float32[{n},{K}]"}, shapes

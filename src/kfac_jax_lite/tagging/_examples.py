@@ -88,3 +88,22 @@ def find(batch, uses=()):
   return ExampleAxis(size, chosen, tuple(names[i] for i in chosen),
                      tuple(n for i, n in enumerate(names) if i not in chosen),
                      how)
+
+
+def shrunk(batch, size=2):
+  """``batch`` with its example leaves (``find``) cut to their first
+  ``size`` examples (``jax.ShapeDtypeStruct``s stay abstract), or None when
+  it has no more than ``size``: a small batch to trace the loss at."""
+  axis = find(batch)
+  if axis.size is None or axis.size <= size:
+    return None
+  chosen = set(axis.leaves)
+
+  def cut(i, x):
+    if i not in chosen:
+      return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct((size,) + tuple(x.shape[1:]), x.dtype)
+    return x[:size]
+  leaves, treedef = jax.tree.flatten(batch)
+  return jax.tree.unflatten(treedef, [cut(i, x) for i, x in enumerate(leaves)])

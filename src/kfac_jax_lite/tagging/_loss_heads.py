@@ -215,6 +215,19 @@ def _fingerprint(graph, nodes, v, o, kind):
   return (kind, roles, body, ref(v))
 
 
+class Memo(dict):
+  """Verified scales by position in one loss (``_verified``), kept by the
+  caller across re-traces; ``limit``: the most model-output elements a
+  verification may evaluate (None: any), above which ``TooLarge`` asks the
+  caller to verify at a smaller batch first."""
+
+  limit = None
+
+
+class TooLarge(Exception):
+  """A head is too large to evaluate at this batch (``Memo.limit``)."""
+
+
 def _verified(graph, v, o, nodes, kind, scope, memo):
   """``_loss_kinds.verify``'s scale, evaluated once per fingerprint in the
   process, and once per position in the loss for ``memo`` (a re-trace of
@@ -226,6 +239,9 @@ def _verified(graph, v, o, nodes, kind, scope, memo):
   if where in memo:
     return memo[where]
   key = _fingerprint(graph, nodes, v, o, kind)
+  if (key not in _VERIFIED and memo.limit is not None
+      and np.prod(graph.shape(o)) > memo.limit):
+    raise TooLarge(graph.shape(o))
   if key not in _VERIFIED:
     if len(_VERIFIED) >= _VERIFIED_MAX:
       _VERIFIED.pop(next(iter(_VERIFIED)))

@@ -17,8 +17,14 @@ from kfac_jax_lite.tagging import _examples
 from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
 from kfac_jax_lite.tagging import _layers
+from kfac_jax_lite.tagging import _loss_heads
 from kfac_jax_lite.tagging import _losses
 from kfac_jax_lite.tagging import _vma
+
+
+# The most model-output elements a loss head is evaluated at when the
+# recognition verifies it (``TaggedLoss._recognise``): 4 MiB of float32.
+VERIFY_LIMIT = 1 << 20
 
 
 def path_name(path):
@@ -151,7 +157,8 @@ class TaggedLoss:
     self.has_aux = has_aux
     self.param_treedef, self.paths, self.leaf_shapes = _check_params(params)
     self.batch_treedef = jax.tree.structure(batch)
-    self._heads_memo = {}  # ``_losses.recognise``'s, across re-traces.
+    # ``_losses.recognise``'s verified heads, across re-traces.
+    self._heads_memo = _loss_heads.Memo()
     tr = self._trace(params, batch)
     self._uses = tr.uses
     #: Which batch leaves hold the examples (``_examples``): the empirical
@@ -226,8 +233,7 @@ class TaggedLoss:
               if isinstance(loss_shape, (tuple, list)) else "")
       raise ValueError(f"loss_fn must return a scalar loss, got {got}{hint}")
     # Hand-written losses get their registered twin's tag (``_losses``).
-    closed, records, unrecognised = _losses.recognise(
-        closed, len(self.leaf_shapes), self._heads_memo)
+    closed, records, unrecognised = self._recognise(closed, params, batch)
     uses, opaque, penalties = _analysis.analyse(closed.jaxpr,
                                                 self.leaf_shapes)
     tags = [LossTag(-1 - j, key, eqn.params["distribution"],
@@ -237,6 +243,30 @@ class TaggedLoss:
             for j, (key, eqn) in enumerate(find_loss_tags(closed.jaxpr))]
     return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags,
                   penalties, unrecognised)
+
+  def _recognise(self, closed, params, batch):
+    """``_losses.recognise`` of the traced ``closed``. A head too large to
+    evaluate at this batch (more than ``VERIFY_LIMIT`` output elements: an
+    LM's ``[B, T, vocab]`` logits) is verified on a trace of the loss at 2
+    examples, which fills the memo by position; whatever that misses is
+    then verified at full size."""
+    memo, n = self._heads_memo, len(self.leaf_shapes)
+    memo.limit = VERIFY_LIMIT
+    try:
+      return _losses.recognise(closed, n, memo)
+    except _loss_heads.TooLarge:
+      pass
+    memo.limit = None
+    small = _examples.shrunk(batch)
+    if small is not None:
+      try:
+        little = jax.make_jaxpr(self.loss_fn)(
+            jax.tree.map(_vma.abstract, params),
+            jax.tree.map(_vma.abstract, small))
+        _losses.recognise(little, n, memo)
+      except Exception:  # The loss needs its batch size: verify at it.
+        pass
+    return _losses.recognise(closed, n, memo)
 
   def _checked_trace(self, params, batch):
     tr = self._trace(params, batch)
