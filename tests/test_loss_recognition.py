@@ -52,6 +52,17 @@ FORMS = {
     "optax_ce_one_hot": (
         lambda z, b: optax.softmax_cross_entropy(z, b["onehot"]),
         lambda z, b: kfl.softmax_cross_entropy(z, b["onehot"])),
+    "optax_ce_integer_labels_where": (
+        lambda z, b: optax.softmax_cross_entropy_with_integer_labels(
+            z, b["y"], where=b["m"] > 0),
+        lambda z, b: jnp.where(
+            b["m"] > 0,
+            kfl.softmax_cross_entropy_with_integer_labels(z, b["y"]), 0.0)),
+    "optax_ce_one_hot_where": (
+        lambda z, b: optax.softmax_cross_entropy(z, b["onehot"],
+                                                 where=b["m"] > 0),
+        lambda z, b: jnp.where(b["m"] > 0, kfl.softmax_cross_entropy(
+            z, b["onehot"]), 0.0)),
     "optax_ce_soft_labels": (
         lambda z, b: optax.softmax_cross_entropy(z, b["soft"]),
         lambda z, b: kfl.softmax_cross_entropy(z, b["soft"])),
