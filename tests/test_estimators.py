@@ -223,7 +223,7 @@ def test_a_loss_without_registration_builds_for_the_empirical_estimation():
   kfl.kfac(_unrecognised_loss, BATCH, estimation="empirical").init(PARAMS)
 
 
-def test_empirical_without_a_loss_takes_the_examples_from_a_batch_with_a_key_and_state():
+def test_empirical_without_a_loss_finds_the_examples_beside_a_key_and_state():
   """Issue 23: a batch that also holds a PRNG key (dropout), model state and
   a scalar (no shared leading size): the examples are the leaves of the
   layers' example-axis size, describe says which, and the statistics are

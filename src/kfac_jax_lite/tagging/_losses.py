@@ -297,7 +297,8 @@ def _insert(jaxpr, j, marker, operands):
           if any(v is old for v in e.invars) else e
           for e in jaxpr.eqns[j + 1:]]
   eqns = list(jaxpr.eqns[:j + 1]) + new_eqns + rest
-  return jaxpr.replace(eqns=eqns, outvars=[after(v) for v in jaxpr.outvars]), tag
+  outvars = [after(v) for v in jaxpr.outvars]
+  return jaxpr.replace(eqns=eqns, outvars=outvars), tag
 
 
 def _with_inner(eqn, jaxpr):
