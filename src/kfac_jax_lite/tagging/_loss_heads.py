@@ -30,10 +30,9 @@ v)`` tells whether the value ``v`` of a ``LossGraph`` is one:
    must satisfy ``V(O₁) - V(O₂) = a·(ℓ(O₁) - ℓ(O₂))`` elementwise for one
    constant ``a ≠ 0``: ``V = a·ℓ(O, T) + d(T)`` (with masks: ``a·k(M)``,
    ``k`` the mask's weight of each element, ``_loss_kinds``). ``a`` is the
-   head's scale (``-1`` for a log-likelihood negated after its reduction;
-   ``0.5`` for ``optax.l2_loss`` read as a squared error...), ``d`` a target-dependent
-   constant (``½ log 2πσ²`` of a Gaussian written out) that changes no
-   derivative. For ``Normal`` ``a`` fixes the variance: ``V = ±(o - t)²/(2σ²)
+   head's scale (``-1`` for a log-likelihood negated after its reduction,
+   ``2`` for twice a cross-entropy), ``d`` a target-dependent constant
+   (``½ log 2πσ²`` of a Gaussian written out) that changes no derivative. For ``Normal`` ``a`` fixes the variance: ``V = ±(o - t)²/(2σ²)
    + d``, ``σ² = 1/(2|a|)`` (``(o - t)²`` is ``kfl.squared_error``'s σ² = ½,
    ``½(o - t)²`` ``kfl.l2_loss``'s σ² = 1), and the scale is its sign.
 
