@@ -341,7 +341,7 @@ def test_describe_total_is_the_curvature_state_bytes(mode):
   assert str(table).splitlines()[-2].startswith(  # Then the loss line.
       f"{len(table)} blocks, {nbytes} bytes of state (")
   assert str(table).splitlines()[-1] == (
-      "loss: Categorical (registered), per-element values [6]")
+      "loss: Categorical (registered), per-element values [6]; outputs of w1")
   # π damping: per dense factor its covariance and one cached n×n matrix.
   n2 = (6 * 6 + 4 * 4) + (4 * 4 + 3 * 3)
   assert nbytes - 4 * 2 * n2 == (0 if mode == "pi" else 4 * (6 + 4 + 4 + 3)) + 4 * 4 * 4
@@ -349,13 +349,24 @@ def test_describe_total_is_the_curvature_state_bytes(mode):
 
 def test_describe_says_when_no_registered_loss_was_found():
   """Issue 23: describe reports (it does not raise) that a loss_fn has no
-  registered loss, and what that leaves for each estimation."""
+  registered or recognised loss, what that leaves for each estimation, the
+  term it saw, and which batch leaves the empirical estimation takes as
+  examples; given an estimation that needs a loss, it refuses."""
   def loss_fn(params, batch):
     return jnp.mean(jnp.abs(batch["x"] @ params["w"] - batch["t"]))
 
   params = {"w": jnp.ones((5, 3))}
   batch = {"x": jnp.ones((6, 5)), "t": jnp.zeros((6, 3))}
-  last = str(kfl.describe(loss_fn, params, batch)).splitlines()[-1]
-  assert last.startswith("loss: none registered — estimation='empirical' "
-                         "only"), last
-  assert "kfl.softmax_cross_entropy_with_integer_labels" in last, last
+  lines = str(kfl.describe(loss_fn, params, batch)).splitlines()
+  assert lines[-3].startswith("loss: none registered or recognised — "
+                              "estimation='empirical' only"), lines[-3]
+  assert "kfl.softmax_cross_entropy_with_integer_labels" in lines[-3]
+  assert lines[-2] == (
+      "loss terms not recognised (no curvature from them): a scalar term "
+      "from `div` (reaches `abs` without a loss head)"), lines[-2]
+  assert lines[-1] == ("examples: the leading axis (N=6) of batch/t, batch/x "
+                       "(the batch's arrays)"), lines[-1]
+  kfl.describe(loss_fn, params, batch, estimation="empirical")
+  with pytest.raises(ValueError, match="kfl.describe: estimation='fisher' "
+                     "needs a registered or recognised loss"):
+    kfl.describe(loss_fn, params, batch, estimation="fisher")

@@ -3,7 +3,8 @@ from one forward pass.
 
 Scale (one definition for every estimator, loss and reduction). For
 ``L = Σ_e c_e ℓ_e`` over the loss elements ``e`` of the registered losses
-(an element is one value of the loss's output: an example, a token, an
+(and of those recognised in the jaxpr, which carry the same tag:
+``kfl.tagging``) (an element is one value of the loss's output: an example, a token, an
 output unit, a pixel; ``c_e`` is read from the backward pass to those
 values), example ``i`` has weight ``c_i = Σ_{e ∈ i} c_e``. The statistics
 are
@@ -41,14 +42,15 @@ with ``u_e`` by estimation mode:
   of equal weight per example it is ``k`` times that of the per-example
   mean ``ℓ_i = (1/k) Σ_{e∈i} ℓ_e``, which keeps the expectation above (the
   per-example gradient's outer product would be ``1/k`` of the Fisher).
-  Without a registered loss there are no elements to see: the layer
-  cotangents of ``L`` itself are used, assuming ``L`` is a mean over the
-  batch (``c_i = 1/N``, ``h_i = N ∂L/∂y_i``, the gradient of example i's
-  share of ``L`` times N), the per-example empirical Fisher: equal to the
-  registered loss's for one element per example, ``1/k`` of it for ``k``
-  elements of equal weight (``jnp.mean((o - t) ** 2)`` over ``C`` outputs
-  gives ``1/C`` of ``kfl.squared_error(o, t).mean()``). Fallback blocks
-  then see ``√N ∇L`` (no per-example gradients: exact for one example).
+  Without a registered or recognised loss there are no elements to see:
+  the layer cotangents of ``L`` itself are used, assuming ``L`` is a mean
+  over the batch (``c_i = 1/N``, ``h_i = N ∂L/∂y_i``, the gradient of
+  example i's share of ``L`` times N; ``N`` the leading size of the batch
+  leaves that hold examples, ``TaggedLoss.examples``), the per-example
+  empirical Fisher: equal to a registered loss's for one element per
+  example, ``1/k`` of it for ``k`` elements of equal weight. Fallback
+  blocks then see ``√N ∇L`` (no per-example gradients: exact for one
+  example).
 * ``"curvature_prop"`` — ``u = B r`` with ``B Bᵀ = M`` and Rademacher ``r``
   (Martens et al. 2012).
 * ``"exact"`` — every column of ``B`` (one batched backward pass over the
@@ -119,12 +121,14 @@ def check_has_loss(tagged, estimation, where):
   """Raises unless ``estimation`` can be computed from ``tagged``'s trace.
 
   Every estimation but ``"empirical"`` draws its output cotangents from a
-  registered loss's distribution (``u = ∇_z ℓ(z, t)`` with ``t`` sampled, or
-  the loss's Hessian factor); without one only the empirical statistics (the
-  per-example gradients, a mean over the batch assumed) are defined.  Checked
-  when ``where`` (``kfl.kfac``'s ``tx.init``, ``kfl.kfac_optimizer``'s
-  ``tx.init``, ``kfl.value_grad_and_stats``) is built or initialised, so the
-  error comes before any step.
+  loss's predictive distribution (``u = ∇_z ℓ(z, t)`` with ``t`` sampled,
+  or the loss's Hessian factor): a registered loss, or a standard one
+  recognised in the jaxpr (``kfl.tagging``); without one only the empirical
+  statistics (the per-example gradients, a mean over the batch assumed) are
+  defined. Checked when ``where`` (``kfl.kfac``'s ``tx.init``,
+  ``kfl.kfac_optimizer``'s ``tx.init``, ``kfl.value_grad_and_stats``,
+  ``kfl.describe`` given an estimation, ``kfl.laplace.fit``) is built or
+  initialised, so the error comes before any step.
 
   Args:
     tagged: the ``tagging.TaggedLoss`` of the loss function.
@@ -133,12 +137,17 @@ def check_has_loss(tagged, estimation, where):
   """
   if tagged.losses or estimation == "empirical":
     return
+  seen = ("; its terms: " + "; ".join(tagged.unrecognised)
+          if tagged.unrecognised else "")
   raise ValueError(
-      f"{where}: estimation={estimation!r} needs a registered loss, and none "
-      "was found in loss_fn: compute the loss with kfl.softmax_cross_entropy, "
+      f"{where}: estimation={estimation!r} needs a registered or recognised "
+      f"loss, and none was found in loss_fn{seen}. Compute the loss with "
+      "kfl.softmax_cross_entropy, "
       "kfl.softmax_cross_entropy_with_integer_labels, "
       "kfl.sigmoid_binary_cross_entropy, kfl.squared_error (or "
-      "kfl.registered_loss), or use estimation='empirical'")
+      "kfl.registered_loss), or with optax's namesakes or a standard form "
+      "written out (recognised: see kfl.describe), or use "
+      "estimation='empirical' (per-example gradients; any batch)")
 
 
 def _per_example(c_elem, n):
@@ -330,7 +339,7 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
 
   if not tagged.losses:
     check_has_loss(tagged, estimation, "value_grad_and_stats")
-    n = _batch_size(batch)
+    n = _batch_size(tagged, batch)
     c_i = jnp.full((n,), 1.0 / n, _float(loss.dtype))
     cots = {u: probe_ct[u][None] * n for u in layer_uids}
     stats = _layer_stats(tagged, caps, cots, c_i, states)
@@ -391,11 +400,15 @@ def linearized_outputs(tagged: tagging.TaggedLoss, params, batch):
           tuple(t.split(caps)[1] for t in tagged.losses), jvp_fn)
 
 
-def _batch_size(batch):
-  n = tagging.batch_size(batch)
-  if n is None:
-    raise ValueError("estimation='empirical' without a registered loss needs "
-                     "a batch whose arrays share one leading batch size")
+def _batch_size(tagged, batch):
+  """N for the empirical statistics without a loss: the leading size of
+  the batch leaves the detection took as examples (``tagged.examples``,
+  which ``describe`` names)."""
+  if tagged.examples.size is None:
+    raise ValueError("estimation='empirical' without a registered or "
+                     "recognised loss needs a batch with an example axis: no "
+                     "batch leaf has a leading axis")
+  n = tagged.examples.count(batch)
   if n == 0:
     raise ValueError("the batch is empty (its arrays have a leading batch "
                      "size of 0)")
@@ -435,7 +448,8 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
     estimation: how the output cotangents behind the statistics are drawn
       (module docstring): ``"fisher"`` (targets sampled from the model's
       registered predictive distribution: the true Fisher), ``"empirical"``
-      (``"fisher"`` at the data targets; works without a registered loss),
+      (``"fisher"`` at the data targets; works without a registered or
+      recognised loss),
       ``"curvature_prop"`` (Rademacher projections of a square root of the
       output Fisher), ``"exact"`` (all its columns: the exact Kronecker
       factors, cost × output size), and ``"curvature_prop_ggn"``,

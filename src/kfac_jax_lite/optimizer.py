@@ -117,8 +117,9 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
       ``has_aux``), computed with a registered loss
-      (``kfl.softmax_cross_entropy``, ...): the quadratic model needs its
-      output curvature.
+      (``kfl.softmax_cross_entropy``, ...) or a standard one recognised in
+      the jaxpr (optax's, or written out): the quadratic model needs its
+      output curvature (``init`` refuses a loss without one).
     example_batch: a batch (arrays or ``jax.ShapeDtypeStruct``s), only
       traced to find the layers.
     initial_damping: the starting ``λ`` of the Levenberg–Marquardt
@@ -189,13 +190,17 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     # The preconditioner's own detection: one trace of loss_fn serves both.
     tagged = inner.update.layers(params)
     if not tagged.losses:
+      seen = ("; its terms: " + "; ".join(tagged.unrecognised)
+              if tagged.unrecognised else "")
       raise ValueError(
-          "kfl.kfac_optimizer needs a registered loss for its quadratic "
-          "model, and none was found in loss_fn: compute the loss with "
-          "kfl.softmax_cross_entropy, "
+          "kfl.kfac_optimizer needs a registered or recognised loss for its "
+          f"quadratic model, and none was found in loss_fn{seen}. Compute "
+          "the loss with kfl.softmax_cross_entropy, "
           "kfl.softmax_cross_entropy_with_integer_labels, "
           "kfl.sigmoid_binary_cross_entropy, kfl.squared_error (or "
-          "kfl.registered_loss)")
+          "kfl.registered_loss), or with optax's namesakes or a standard "
+          "form written out (recognised: see kfl.describe); or use kfl.kfac "
+          "with estimation='empirical'")
     return tagged
 
   def value(params, batch):
@@ -203,7 +208,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     return out[0] if has_aux else out
 
   def init_fn(params):
-    tagged_for(params)  # Refuse a loss_fn without a registered loss here.
+    tagged_for(params)  # Refuse a loss_fn without a loss here, not at a step.
     zeros = jax.tree.map(jnp.zeros_like, params)
     scalar = lambda x: jnp.asarray(x, transform.float_dtype(params))
     return KfacOptimizerState(inner.init(params), scalar(initial_damping),

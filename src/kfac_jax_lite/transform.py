@@ -324,8 +324,11 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
-      ``has_aux``), a scalar; the Fisher modes need its loss computed with
-      a registered loss (``kfl.softmax_cross_entropy``, ...).
+      ``has_aux``), a scalar; every estimation but ``"empirical"`` needs a
+      loss whose predictive distribution is known: a registered loss
+      (``kfl.softmax_cross_entropy``, ...) or a standard one recognised in
+      the jaxpr (optax's, or written out: ``kfl.describe`` shows which);
+      else ``init`` refuses.
     example_batch: a batch (arrays or ``jax.ShapeDtypeStruct``s), only
       traced (at ``init``) to find the layers; later batches may have any
       batch size but the same structure.

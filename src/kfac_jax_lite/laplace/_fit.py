@@ -59,7 +59,8 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
       ``has_aux``), the data term only (no weight decay: that is the prior),
-      with a registered loss (``kfl.softmax_cross_entropy`` ...) unless
+      with a registered loss (``kfl.softmax_cross_entropy`` ...) or one
+      recognised in the jaxpr (optax's, or written out) unless
       ``estimation="empirical"``, in which case a loss without one is read
       as a mean over the batch.
     params: the MAP parameters, a pytree of float arrays.

@@ -102,6 +102,23 @@ Kernel views and repeated kernels
 The matching of these views to the equations around them is
 ``_matching``.
 
+Losses written by hand
+----------------------
+Before the graph walk, ``_losses.recognise`` looks for the standard losses
+in the traced loss (optax's, or written out: softmax cross-entropy,
+sigmoid binary cross-entropy, a Gaussian of fixed variance) and marks each
+with the ``loss_tag`` its registered twin would bind, so everything
+downstream treats it as that twin. From the loss output it follows the
+operations linear in the per-element values (sums, means, masks, weights);
+a value there is a loss head when, evaluated at random model outputs and
+targets, it equals ``a·ℓ(O, T) + d(T)`` for the distribution's own ``ℓ``
+(``_loss_heads``, ``_loss_kinds``, on the flat graph of ``_loss_graph``).
+``TaggedLoss.losses`` holds registered and recognised losses alike (a
+recognised one has ``recognised`` set), ``TaggedLoss.unrecognised`` the
+terms of the loss no head was found in, and ``TaggedLoss.examples`` which
+batch leaves hold the examples (``_examples``: what the empirical
+estimation without a loss reads ``N`` from).
+
 Unsupported (fallback with the reason)
 --------------------------------------
 * a kernel sliced along a contracted (input) axis, a slice used by

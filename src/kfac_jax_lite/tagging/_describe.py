@@ -71,26 +71,41 @@ def rows(tagged):
 
 
 def loss_lines(tagged):
-  """What ``describe`` says about ``tagged``'s losses: for each registered
-  loss its distribution (``Categorical``: softmax cross-entropy,
-  ``Bernoulli``: sigmoid binary cross-entropy, ``Normal``: squared error, …)
-  and the shape of its per-element values; or, with none, that only
-  ``estimation='empirical'`` is available (the others refuse when built)."""
-  if not tagged.losses:
-    return ("loss: none registered — estimation='empirical' only (per-example "
-            "gradients, a mean over the batch assumed); 'fisher', "
-            "'curvature_prop(_ggn)', 'exact(_ggn)' and kfl.kfac_optimizer "
-            "refuse (value_grad_and_stats when built, kfl.kfac at tx.init): "
-            "compute the loss with kfl.softmax_cross_entropy_with_integer_"
-            "labels, kfl.squared_error, … to use them",)
+  """What ``describe`` says about ``tagged``'s losses: per loss, registered
+  (its distribution: ``Categorical`` a softmax cross-entropy, ``Bernoulli``
+  a sigmoid binary cross-entropy, ``Normal`` a squared error, …) or
+  recognised in the jaxpr (its form, the registered twin it is treated as,
+  its reduction), the shape of its per-element values and the layers its
+  model outputs come from; the loss's terms not recognised; with no loss,
+  what that leaves for each estimation and which batch leaves the empirical
+  estimation takes as examples."""
   from kfac_jax_lite.tagging import _losses
-  how = lambda t: ("recognised: optax.softmax_cross_entropy_with_integer_"
-                   "labels, as its registered twin"
-                   if t.distribution is _losses.RECOGNISED_INTEGER_CE
-                   else "registered")
-  return tuple(
-      f"loss: {type(t.distribution).__name__} ({how(t)}), per-element "
-      f"values {list(t.values_shape)}" for t in tagged.losses)
+  lines = []
+  if not tagged.losses:
+    lines.append(
+        "loss: none registered or recognised — estimation='empirical' only "
+        "(per-example gradients, a mean over the batch assumed); 'fisher', "
+        "'curvature_prop(_ggn)', 'exact(_ggn)' and kfl.kfac_optimizer refuse "
+        "(value_grad_and_stats when built, kfl.kfac at tx.init): compute the "
+        "loss with kfl.softmax_cross_entropy_with_integer_labels, "
+        "kfl.squared_error, … (or optax's, which are recognised) to use them")
+  for t, layers in zip(tagged.losses, _losses.output_layers(tagged)):
+    src = f" of {', '.join(layers)}" if layers else ""
+    if t.recognised is None:
+      lines.append(f"loss: {type(t.distribution).__name__} (registered), "
+                   f"per-element values {list(t.values_shape)}; outputs{src}")
+      continue
+    r = t.recognised
+    lines.append(
+        f"loss: {r.form} (recognised, as {r.twin}), per-element values "
+        f"{list(t.values_shape)}, reduction {r.reduction}; outputs "
+        f"{list(r.output)}{src}, targets {r.target}")
+  if tagged.unrecognised:
+    lines.append("loss terms not recognised (no curvature from them): "
+                 + "; ".join(tagged.unrecognised))
+  if not tagged.losses:
+    lines.append(tagged.examples.describe())
+  return tuple(lines)
 
 
 def _sharing(layer, block):
@@ -105,14 +120,24 @@ def _sharing(layer, block):
 
 
 def describe(loss_fn, params, batch, *, has_aux=False, exclude=(),
-             blocks=None, damping_mode="pi", weight_sharing="expand"):
+             blocks=None, damping_mode="pi", weight_sharing="expand",
+             estimation=None):
   """The curvature blocks of ``loss_fn``'s layers, as rows.
 
   ``has_aux``/``exclude`` are those of ``find_layers``; ``blocks``,
   ``damping_mode`` and ``weight_sharing`` those of ``make_blocks`` (and of
-  ``kfl.kfac``). Prints as a table; fallbacks carry their reason."""
+  ``kfl.kfac``). Prints as a table; fallbacks carry their reason; the last
+  lines say which loss was found (registered, or recognised in the jaxpr:
+  its form, reduction and the layers of its outputs) or that none was, and
+  then which batch leaves hold the examples. ``estimation``: when given,
+  a ``ValueError`` if ``kfl.kfac`` with it would refuse this loss (as
+  ``kfl.value_grad_and_stats`` does when built)."""
+  from kfac_jax_lite import estimators
   from kfac_jax_lite.tagging._tagged import find_layers
   tagged = find_layers(loss_fn, params, batch, has_aux=has_aux,
                        exclude=exclude)
+  if estimation is not None:
+    estimators.check_estimation(estimation)
+    estimators.check_has_loss(tagged, estimation, "kfl.describe")
   return rows(tagged.with_blocks(blocks, damping_mode=damping_mode,
                                  weight_sharing=weight_sharing))

@@ -69,7 +69,8 @@ def _read_capture(spec, read):
   return jnp.broadcast_to(read(a) * read(b), shape)
 
 
-def _bind(eqn, invals):
+def bind_equation(eqn, invals):
+  """The outputs (a list) of ``eqn``'s primitive applied to ``invals``."""
   got = eqn.primitive.get_bind_params(eqn.params)
   subfuns, params = got if isinstance(got, tuple) else ((), got)
   with eqn.ctx.manager:
@@ -95,7 +96,7 @@ def run(plan, jaxpr, consts, args, prefix, probes, caps):
     if key in plan.inside:
       outs = _nested(plan, eqn, invals, key, probes, caps)
     else:
-      outs = _bind(eqn, invals)
+      outs = bind_equation(eqn, invals)
     for uid in plan.probes.get(key, ()):
       outs[0] = outs[0] + probes[uid].astype(outs[0].dtype)
     if key in plan.losses:

@@ -11,13 +11,20 @@ import numpy as np
 
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite import losses
-from kfac_jax_lite.tagging import _losses
 from kfac_jax_lite.tagging import _analysis
 from kfac_jax_lite.tagging import _blocks
+from kfac_jax_lite.tagging import _examples
 from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
 from kfac_jax_lite.tagging import _layers
+from kfac_jax_lite.tagging import _loss_heads
+from kfac_jax_lite.tagging import _losses
 from kfac_jax_lite.tagging import _vma
+
+
+# The most model-output elements a loss head is evaluated at when the
+# recognition verifies it (``TaggedLoss._recognise``): 4 MiB of float32.
+VERIFY_LIMIT = 1 << 20
 
 
 def path_name(path):
@@ -67,6 +74,7 @@ class _Trace:
   opaque: list
   losses: list
   penalties: list
+  unrecognised: list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +92,8 @@ class LossTag:
   values_shape: tuple
   values_dtype: Any
   values_vma: frozenset = frozenset()  # under shard_map(check_vma=True)
+  # A loss recognised in the jaxpr (``_losses.Recognised``); None: registered.
+  recognised: Any = None
 
   def split(self, captures):
     """``(outputs, targets)``: this loss's captured model outputs and
@@ -147,12 +157,20 @@ class TaggedLoss:
     self.has_aux = has_aux
     self.param_treedef, self.paths, self.leaf_shapes = _check_params(params)
     self.batch_treedef = jax.tree.structure(batch)
+    # ``_losses.recognise``'s verified heads, across re-traces.
+    self._heads_memo = _loss_heads.Memo()
     tr = self._trace(params, batch)
     self._uses = tr.uses
+    #: Which batch leaves hold the examples (``_examples``): the empirical
+    #: estimation without a loss reads N from them.
+    self.examples = _examples.find(batch, tr.uses)
     self.layers, self.excluded = _layers.build_layers(
-        tr.uses, tr.opaque, self.paths, self.leaf_shapes, batch_size(batch),
+        tr.uses, tr.opaque, self.paths, self.leaf_shapes, self.examples.size,
         tuple(exclude), tr.penalties)
     self.losses = tuple(tr.losses)
+    #: The loss's terms no loss was recognised in (``describe``'s notes).
+    self.unrecognised = tuple(tr.unrecognised)
+    self.closed = tr.closed
     self._active = sorted(u for l in self.layers for u in l.use_ids)
     self._signatures = {i: _signature(tr.uses[i]) for i in self._active}
 
@@ -176,6 +194,13 @@ class TaggedLoss:
   @property
   def fallbacks(self):
     return tuple(l for l in self.layers if l.is_fallback)
+
+  @property
+  def layer_outputs(self):
+    """``{equation key: layer name}`` of the equations whose output each
+    layer use probes (its output), in ``closed``'s keys."""
+    return {self._uses[u].probe_key: l.name
+            for l in self.layers for u in l.use_ids}
 
   def layer(self, name):
     for l in self.layers:
@@ -207,16 +232,41 @@ class TaggedLoss:
       hint = (" (use has_aux=True for (loss, aux))"
               if isinstance(loss_shape, (tuple, list)) else "")
       raise ValueError(f"loss_fn must return a scalar loss, got {got}{hint}")
-    closed = _losses.recognise(closed)  # optax's CE as its registered twin.
+    # Hand-written losses get their registered twin's tag (``_losses``).
+    closed, records, unrecognised = self._recognise(closed, params, batch)
     uses, opaque, penalties = _analysis.analyse(closed.jaxpr,
                                                 self.leaf_shapes)
     tags = [LossTag(-1 - j, key, eqn.params["distribution"],
                     eqn.params["num_outputs"], tuple(eqn.outvars[0].aval.shape),
                     eqn.outvars[0].aval.dtype,
-                    _vma.aval_vma(eqn.outvars[0].aval))
+                    _vma.aval_vma(eqn.outvars[0].aval), records.get(id(eqn)))
             for j, (key, eqn) in enumerate(find_loss_tags(closed.jaxpr))]
     return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags,
-                  penalties)
+                  penalties, unrecognised)
+
+  def _recognise(self, closed, params, batch):
+    """``_losses.recognise`` of the traced ``closed``. A head too large to
+    evaluate at this batch (more than ``VERIFY_LIMIT`` output elements: an
+    LM's ``[B, T, vocab]`` logits) is verified on a trace of the loss at 2
+    examples, which fills the memo by position; whatever that misses is
+    then verified at full size."""
+    memo, n = self._heads_memo, len(self.leaf_shapes)
+    memo.limit = VERIFY_LIMIT
+    try:
+      return _losses.recognise(closed, n, memo)
+    except _loss_heads.TooLarge:
+      pass
+    memo.limit = None
+    small = _examples.shrunk(batch)
+    if small is not None:
+      try:
+        little = jax.make_jaxpr(self.loss_fn)(
+            jax.tree.map(_vma.abstract, params),
+            jax.tree.map(_vma.abstract, small))
+        _losses.recognise(little, n, memo)
+      except Exception:  # The loss needs its batch size: verify at it.
+        pass
+    return _losses.recognise(closed, n, memo)
 
   def _checked_trace(self, params, batch):
     tr = self._trace(params, batch)
