@@ -1,7 +1,7 @@
 """Do the defaults train? ``kfl.kfac`` + SGD-momentum and ``kfl.kfac_optimizer``
 with default settings on small models of every supported framework.
 
-    python benchmarks/robustness.py            # 7 models, lr 0.01/0.03/0.1, 300 steps
+    python benchmarks/robustness.py            # 10 models, lr 0.01/0.03/0.1, 300 steps
     python benchmarks/robustness.py --quick    # 3 models, lr 0.1, 30 steps (smoke run)
     python benchmarks/robustness.py --kfac norm_constraint=None --kfac damping=1e-3
 
@@ -18,14 +18,18 @@ argument). The table gives the full-data loss after the last step for
 * ``kfac_opt``: ``kfl.kfac_optimizer(loss_fn, batch)`` with its defaults.
 
 A cell is marked ``!`` when the run is not finite or its final loss is not
-below half the initial one (it did not train). The models (plain JAX, Flax
+below its target (it did not train): half the initial loss, or for the
+language model the entropy of its targets' character frequencies. The models (plain JAX, Flax
 linen, Flax nnx, Haiku, Equinox): an MLP, conv nets with and without
-normalisation, an attention block and an LSTM; see ``MODELS``.
+normalisation, an attention block, an LSTM, a ViT as Equinox's documentation
+writes it, and a character LSTM language model as Haiku's RNN example writes
+it (time-major, with the example's own loss); see ``MODELS``.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import time
 
 import jax
@@ -156,6 +160,115 @@ def nnx_attention(key):
   return params, apply
 
 
+def equinox_vit(key):
+  """The Vision Transformer of Equinox's documentation example (patch
+  embedding by a ``Linear`` on flattened patches, a class token and a
+  learned position embedding concatenated and added, pre-norm attention
+  blocks of ``eqx.nn.MultiheadAttention`` and a GELU MLP, the head on the
+  class token), at digits' size: 2x2 patches of the 8x8 image, width 32,
+  2 blocks of 4 heads. Dropout is in inference mode (the batch carries no
+  key)."""
+  import equinox as eqx
+  patch, width, heads, blocks = 2, 32, 4, 2
+  n = (8 // patch) ** 2
+
+  class Block(eqx.Module):
+    norm1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, key):
+      k1, k2, k3 = jax.random.split(key, 3)
+      self.norm1 = eqx.nn.LayerNorm(width)
+      self.attn = eqx.nn.MultiheadAttention(heads, width, key=k1)
+      self.norm2 = eqx.nn.LayerNorm(width)
+      self.fc1 = eqx.nn.Linear(width, 2 * width, key=k2)
+      self.fc2 = eqx.nn.Linear(2 * width, width, key=k3)
+
+    def __call__(self, x):
+      y = jax.vmap(self.norm1)(x)
+      x = x + self.attn(y, y, y)
+      y = jax.vmap(self.norm2)(x)
+      return x + jax.vmap(self.fc2)(jax.nn.gelu(jax.vmap(self.fc1)(y)))
+
+  class ViT(eqx.Module):
+    embed: eqx.nn.Linear
+    cls_token: jax.Array
+    position: jax.Array
+    blocks: list
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+      ks = jax.random.split(key, blocks + 4)
+      self.embed = eqx.nn.Linear(patch * patch, width, key=ks[0])
+      self.cls_token = jax.random.normal(ks[1], (1, width))
+      self.position = jax.random.normal(ks[2], (n + 1, width))
+      self.blocks = [Block(k) for k in ks[4:]]
+      self.norm = eqx.nn.LayerNorm(width)
+      self.head = eqx.nn.Linear(width, 10, key=ks[3])
+
+    def __call__(self, x):                        # x: [64], one image
+      p = x.reshape(8 // patch, patch, 8 // patch, patch)
+      p = p.transpose(0, 2, 1, 3).reshape(n, patch * patch)
+      x = jax.vmap(self.embed)(p)
+      x = jnp.concatenate((self.cls_token, x), axis=0)
+      x = x + self.position[:x.shape[0]]
+      for block in self.blocks:
+        x = block(x)
+      return self.head(self.norm(x[0]))
+  return _equinox(ViT(key))
+
+
+def haiku_lstm_lm(key):
+  """A character language model written as Haiku's RNN example writes it:
+  a time-major batch ``[T, B]`` of character ids, one-hot inputs, an
+  ``hk.DeepRNN`` of two LSTMs and an MLP, ``hk.dynamic_unroll``, and the
+  example's own loss, ``-jnp.sum(one_hot(targets) * log_softmax(logits)) /
+  (T * B)`` (recognised as the integer-label cross-entropy)."""
+  import haiku as hk
+  vocab = len(_chars().vocab)
+
+  def net(tokens):                                 # [T, B] ids
+    core = hk.DeepRNN([lambda t: jax.nn.one_hot(t, vocab), hk.LSTM(64),
+                       jax.nn.relu, hk.LSTM(64), hk.nets.MLP([64, vocab])])
+    logits, _ = hk.dynamic_unroll(core, tokens,
+                                  core.initial_state(tokens.shape[1]))
+    return logits
+  fn = hk.without_apply_rng(hk.transform(net))
+  return fn.init(key, jnp.zeros((LM_CONTEXT, 1), jnp.int32)), fn.apply
+
+
+def _haiku_lm_loss(logits, targets):
+  t, b = targets.shape
+  log_probs = jax.nn.log_softmax(logits)
+  one_hot = jax.nn.one_hot(targets, logits.shape[-1])
+  return -jnp.sum(one_hot * log_probs) / (t * b)
+
+
+LM_CONTEXT = 32
+
+
+@functools.lru_cache(maxsize=1)
+def _chars():
+  import os
+  import sys
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import _data
+  return _data.load_text(200_000)
+
+
+def char_windows():
+  """Every ``LM_CONTEXT + 1``-character window of the corpus's first 200 000
+  characters at a stride of 16: inputs and next-character targets."""
+  ids = np.asarray(_chars().train)
+  starts = np.arange(0, len(ids) - LM_CONTEXT - 1, 16)
+  win = np.stack([ids[s:s + LM_CONTEXT + 1] for s in starts])
+  return jnp.asarray(win[:, :-1], jnp.int32), jnp.asarray(win[:, 1:], jnp.int32)
+
+
 MODELS = {
     "jax mlp": jax_mlp,
     "linen cnn+layernorm": linen_cnn_layernorm,
@@ -167,16 +280,22 @@ MODELS = {
     # Issue 24: weight decay written into the loss (an L2 term the K-FAC
     # curvature does not model) on the Haiku conv net.
     "haiku cnn+wd": haiku_cnn,
+    "equinox vit": equinox_vit,
+    "haiku lstm lm": haiku_lstm_lm,
 }
 # Models whose loss adds ``WEIGHT_DECAY[name] / 2 · ‖θ‖²``.
 WEIGHT_DECAY = {"haiku cnn+wd": 1e-3}
+# Models trained on another task than digits' classification, with the
+# loss their authors wrote (``loss(outputs, targets)``) and a time-major
+# batch: ``(data, loss, time_major)``.
+TASKS = {"haiku lstm lm": (char_windows, _haiku_lm_loss, True)}
 QUICK_MODELS = ("jax mlp", "linen cnn+layernorm", "haiku cnn")
 
 
 # --- training ----------------------------------------------------------------
 
 def make_runner(kind, loss_fn, example, x_all, y_all, steps, batch_size,
-                kfac_options, opt_options):
+                kfac_options, opt_options, time_major=False):
   """``run(params, lr, key, x_all, y_all) -> (final params, state)``, jitted,
   one scan of ``steps``. The data are arguments: closed over, XLA
   constant-folds the dataset's gathers for minutes."""
@@ -193,7 +312,7 @@ def make_runner(kind, loss_fn, example, x_all, y_all, steps, batch_size,
     def step(carry, k):
       params, state = carry
       idx = jax.random.choice(k, x_all.shape[0], (batch_size,), replace=False)
-      batch = {"x": x_all[idx], "y": y_all[idx]}
+      batch = _batch(x_all[idx], y_all[idx], time_major)
       grads = jax.grad(loss_fn)(params, batch)
       updates, state = tx.update(grads, state, params, batch=batch)
       if kind != "kfac_opt":
@@ -205,34 +324,48 @@ def make_runner(kind, loss_fn, example, x_all, y_all, steps, batch_size,
   return run
 
 
+def _batch(x, y, time_major):
+  return {"x": x.T, "y": y.T} if time_major else {"x": x, "y": y}
+
+
 def study(names, lrs, steps, batch_size, kfac_options, opt_options=None,
           seed=0, log=print, kinds=("kfac", "adam", "kfac_opt")):
-  x_all, y_all = digits()
   rows = []
   for name in names:
     params, apply = MODELS[name](jax.random.PRNGKey(seed))
-
+    data, loss, time_major = TASKS.get(name, (digits, None, False))
+    x_all, y_all = data()
+    if loss is None:
+      loss = lambda z, y: kfl.softmax_cross_entropy_with_integer_labels(
+          z, y).mean()
     wd = WEIGHT_DECAY.get(name, 0.0)
 
-    def loss_fn(params, batch, apply=apply, wd=wd):
-      loss = kfl.softmax_cross_entropy_with_integer_labels(
-          apply(params, batch["x"]), batch["y"]).mean()
+    def loss_fn(params, batch, apply=apply, wd=wd, loss=loss):
+      loss = loss(apply(params, batch["x"]), batch["y"])
       if wd:
         loss = loss + 0.5 * wd * sum(
             jnp.vdot(p, p) for p in jax.tree.leaves(params))
       return loss
 
     full_jit = jax.jit(loss_fn)
-    full = lambda p: full_jit(p, {"x": x_all, "y": y_all})
-    example = {"x": x_all[:batch_size], "y": y_all[:batch_size]}
+    # The full data set's loss (at most its first 2048 examples).
+    evaluation = _batch(x_all[:2048], y_all[:2048], time_major)
+    full = lambda p, e=evaluation: full_jit(p, e)
+    example = _batch(x_all[:batch_size], y_all[:batch_size], time_major)
     key = jax.random.PRNGKey(seed + 1)
     row = {"model": name, "initial": float(full(params))}
+    # Trained: below half the initial loss, or for a language model below
+    # the entropy of its targets' character frequencies (what a model that
+    # learned nothing but those frequencies reaches).
+    row["target"] = (_unigram_entropy(y_all) if name in TASKS
+                     else 0.5 * row["initial"])
     t0 = time.perf_counter()
     for kind, kind_lrs in (("kfac", lrs), ("adam", ADAM_LRS), ("kfac_opt", (0.0,))):
       if kind not in kinds:
         continue
       run = make_runner(kind, loss_fn, example, x_all, y_all, steps,
-                        batch_size, kfac_options, opt_options or {})
+                        batch_size, kfac_options, opt_options or {},
+                        time_major)
       for lr in kind_lrs:
         final, state = run(params, jnp.float32(lr), key, x_all, y_all)
         row[(kind, lr)] = float(full(final))
@@ -246,15 +379,23 @@ def study(names, lrs, steps, batch_size, kfac_options, opt_options=None,
   return rows
 
 
+def _unigram_entropy(targets):
+  counts = np.bincount(np.asarray(targets).ravel())
+  p = counts[counts > 0] / counts.sum()
+  return float(-(p * np.log(p)).sum())
+
+
 def trained(row, value):
-  return np.isfinite(value) and value < 0.5 * row["initial"]
+  return np.isfinite(value) and value < row["target"]
 
 
 def print_table(rows, lrs, steps, show_health=False):
   cols = [f"kfac lr={lr:g}" for lr in lrs] + ["adam best", "kfac_opt"]
   print(f"\nfull-data loss after {steps} steps ('!': not finite or not below "
-        "half the initial loss)")
-  print(f"{'model':<24}{'initial':>9}" + "".join(f"{c:>16}" for c in cols))
+        "the target: half the initial loss, or for a language model the "
+        "entropy of its targets' character frequencies)")
+  print(f"{'model':<24}{'initial':>9}{'target':>9}"
+        + "".join(f"{c:>16}" for c in cols))
   failures = 0
   for row in rows:
     cells = []
@@ -271,7 +412,8 @@ def print_table(rows, lrs, steps, show_health=False):
         failures += not trained(row, value)
       mark = "" if trained(row, value) else "!"
       cells.append(f"{text}{value:.4f}{mark}".rjust(16))
-    print(f"{row['model']:<24}{row['initial']:>9.4f}" + "".join(cells))
+    print(f"{row['model']:<24}{row['initial']:>9.4f}{row['target']:>9.4f}"
+          + "".join(cells))
   if show_health:
     for row in rows:
       for key, value in row.items():
