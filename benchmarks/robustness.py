@@ -3,6 +3,7 @@ with default settings on small models of every supported framework.
 
     python benchmarks/robustness.py            # 10 models, lr 0.01/0.03/0.1, 300 steps
     python benchmarks/robustness.py --quick    # 3 models, lr 0.1, 30 steps (smoke run)
+    python benchmarks/robustness.py --recipe   # the README recipe: norm_constraint=(0.01/lr)**2 above lr 0.01
     python benchmarks/robustness.py --kfac norm_constraint=None --kfac damping=1e-3
 
 scikit-learn's digits (1797 8x8 images, 10 classes), random batches of 128
@@ -328,8 +329,17 @@ def _batch(x, y, time_major):
   return {"x": x.T, "y": y.T} if time_major else {"x": x, "y": y}
 
 
+def recipe_options(kfac_options, lr):
+  """The README's recipe at learning rate ``lr``: the defaults at lr 0.01 and
+  below, and above it ``norm_constraint=(0.01 / lr)**2`` (the lr 0.01 bound
+  on the step's KL kept), unless ``kfac_options`` sets it."""
+  if lr <= 0.01 or "norm_constraint" in kfac_options:
+    return kfac_options
+  return {**kfac_options, "norm_constraint": (0.01 / lr) ** 2}
+
+
 def study(names, lrs, steps, batch_size, kfac_options, opt_options=None,
-          seed=0, log=print, kinds=("kfac", "adam", "kfac_opt")):
+          seed=0, log=print, kinds=("kfac", "adam", "kfac_opt"), recipe=False):
   rows = []
   for name in names:
     params, apply = MODELS[name](jax.random.PRNGKey(seed))
@@ -363,11 +373,17 @@ def study(names, lrs, steps, batch_size, kfac_options, opt_options=None,
     for kind, kind_lrs in (("kfac", lrs), ("adam", ADAM_LRS), ("kfac_opt", (0.0,))):
       if kind not in kinds:
         continue
-      run = make_runner(kind, loss_fn, example, x_all, y_all, steps,
-                        batch_size, kfac_options, opt_options or {},
-                        time_major)
+      runners = {}
       for lr in kind_lrs:
-        final, state = run(params, jnp.float32(lr), key, x_all, y_all)
+        options = (recipe_options(kfac_options, lr) if recipe and kind == "kfac"
+                   else kfac_options)
+        signature = repr(sorted(options.items()))
+        if signature not in runners:
+          runners[signature] = make_runner(
+              kind, loss_fn, example, x_all, y_all, steps, batch_size,
+              options, opt_options or {}, time_major)
+        final, state = runners[signature](params, jnp.float32(lr), key,
+                                          x_all, y_all)
         row[(kind, lr)] = float(full(final))
         if kind != "adam":
           row[(kind, lr, "health")] = str(kfl.health(state))
@@ -447,6 +463,9 @@ def main(argv=None):
                  help="override a kfl.kfac_optimizer default")
   p.add_argument("--health", action="store_true",
                  help="also print kfl.health of every K-FAC run")
+  p.add_argument("--recipe", action="store_true",
+                 help="kfac at the README's recipe: the defaults at lr 0.01, "
+                 "norm_constraint=(0.01/lr)**2 above it")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--kinds", nargs="+", default=["kfac", "adam", "kfac_opt"],
                  choices=["kfac", "adam", "kfac_opt"],
@@ -459,10 +478,12 @@ def main(argv=None):
   opt_options = dict(_parse_option(o) for o in args.opt)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; digits, batch "
         f"{args.batch}, {steps} steps, seed {args.seed}; kfac overrides: "
-        f"{options or 'none (defaults)'}; kfac_optimizer overrides: "
+        f"{options or 'none (defaults)'}"
+        f"{'; README recipe: norm_constraint=(0.01/lr)**2 above lr 0.01' if args.recipe else ''}"
+        f"; kfac_optimizer overrides: "
         f"{opt_options or 'none (defaults)'}")
   rows = study(names, lrs, steps, args.batch, options, opt_options,
-               seed=args.seed, kinds=args.kinds)
+               seed=args.seed, kinds=args.kinds, recipe=args.recipe)
   failures = print_table(rows, lrs, steps, args.health)
   print(f"{failures} K-FAC run(s) did not train")
   return failures
