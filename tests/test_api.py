@@ -13,7 +13,7 @@ SRC = pathlib.Path(kfl.__file__).parent
 
 TOP_LEVEL = {
     "kfac", "KfacState", "kfac_optimizer", "KfacOptimizerState",
-    "value_grad_and_stats", "Estimate", "ESTIMATIONS",
+    "value_grad_and_stats", "stats_due", "Estimate", "ESTIMATIONS",
     "describe", "health", "Health",
     "PredictiveDistribution", "gaussian_nll", "l2_loss", "registered_loss",
     "sigmoid_binary_cross_entropy", "softmax_cross_entropy",
