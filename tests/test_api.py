@@ -123,3 +123,10 @@ def test_the_reach_in_check_finds_one(tmp_path):
                   "y = _layout.flatten\n")
   assert [t for _, t in _reach_ins(path)] == [
       "from kfac_jax_lite.factor import _damped", "fac._eye_like"]
+
+
+def test_package_is_typed():
+  """PEP 561: ``py.typed`` ships in the package (pyproject's package-data)."""
+  assert (SRC / "py.typed").is_file()
+  pyproject = (SRC.parent.parent / "pyproject.toml").read_text()
+  assert 'kfac_jax_lite = ["py.typed"]' in pyproject
