@@ -51,6 +51,9 @@ stepped in one of two styles:
   statistics share one forward pass; with ``f < 1`` the statistics take
   their own pass on the first share of the batch (the same work as
   ``2-pass``);
+* ``kfac_optimizer`` rows: ``kfl.kfac_optimizer`` (its quadratic model's
+  products on top of the preconditioner) with ``batch=`` (2-pass) and with
+  the one-pass estimate's ``stats=`` (1-pass);
 * ``cov=K 1-pass`` (``--cov-every``): the recommended recipe amortised,
   ``kfl.kfac(..., cov_every=K)`` and ``est_fn(p, batch, key,
   with_stats=kfl.stats_due(state))``, so the statistics are computed only on
@@ -350,6 +353,32 @@ def make_runners(loss_fn, params, batch, args):
                           jax.jit(amortised, donate_argnums=0),
                           (params, tx.init(params), key), 10, 1.0, "1-pass",
                           cov_every=cov))
+  # kfl.kfac_optimizer: its quadratic model's products on top of the
+  # preconditioner, with the statistics from its own pass (batch=) or from
+  # the one-pass estimate (stats=).
+  if args.optimizer_rows:
+    opt = kfl.kfac_optimizer(loss_fn, batch, inverse_every=10,
+                             inverse_method=args.inverse_method)
+
+    def opt_two_pass(carry, batch):
+      p, s = carry
+      loss, g = jax.value_and_grad(loss_fn)(p, batch)
+      u, s = opt.update(g, s, p, batch=batch)
+      return (optax.apply_updates(p, u), s), loss
+
+    def opt_one_pass(carry, batch):
+      p, s, k = carry
+      k, sub = jax.random.split(k)
+      est = est_fn(p, batch, sub)
+      u, s = opt.update(est.grads, s, p, batch=batch, stats=est.stats)
+      return (optax.apply_updates(p, u), s, k), est.loss
+    state = opt.init(params)
+    runners.append(Runner("kfac_optimizer T=10 2-pass",
+                          jax.jit(opt_two_pass, donate_argnums=0),
+                          (params, state), 10, 1.0, "opt 2-pass"))
+    runners.append(Runner("kfac_optimizer T=10 1-pass",
+                          jax.jit(opt_one_pass, donate_argnums=0),
+                          (params, state, key), 10, 1.0, "opt 1-pass"))
   return runners, est_fn
 
 
@@ -619,6 +648,10 @@ def main(argv=None):
                  help="1-pass T=10 rows with kfl.kfac(cov_every=K) and the "
                  "statistics computed only on its statistics steps "
                  "(with_stats=kfl.stats_due(state)); default 2 5 10")
+  p.add_argument("--no-optimizer-rows", dest="optimizer_rows",
+                 action="store_false",
+                 help="skip the kfl.kfac_optimizer rows (2-pass: batch=, "
+                 "1-pass: stats= from kfl.value_grad_and_stats)")
   p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
   p.add_argument("--kfac-lr", type=float, default=0.01)
   p.add_argument("--damping", type=float, default=1.0)

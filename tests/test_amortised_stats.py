@@ -189,3 +189,42 @@ def test_amortised_one_pass_run_follows_the_batch_style():
     for a, b in zip(jax.tree.leaves((p1, s1[0].blocks)),
                     jax.tree.leaves((p2, s2[0].blocks))):
       np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_kfac_optimizer_takes_one_pass_statistics():
+  """``kfl.kfac_optimizer``'s ``update(..., batch=, stats=)`` uses the
+  one-pass statistics instead of its own pass, amortised with
+  ``kfl.stats_due``: the run follows the ``batch=`` style in float64."""
+  with x64_mode(True):
+    params = init_params(jnp.float64)
+    # One batch (random labels: nothing to learn across batches), so that
+    # "it trained" can be checked on it.
+    batches = [make_batch(1, jnp.float64)] * 6
+    options = dict(cov_every=2, inverse_every=2, seed=3)
+    opt_one = kfl.kfac_optimizer(loss_fn, batches[0], **options)
+    opt_two = kfl.kfac_optimizer(loss_fn, batches[0], **options)
+    est_fn = kfl.value_grad_and_stats(loss_fn, params, batches[0])
+
+    @jax.jit
+    def one_pass(params, state, batch):
+      key = jax.random.split(state.kfac.key)[1]
+      est = est_fn(params, batch, key, with_stats=kfl.stats_due(state))
+      step, state = opt_one.update(est.grads, state, params, batch=batch,
+                                   stats=est.stats)
+      return optax.apply_updates(params, step), state
+
+    @jax.jit
+    def batch_style(params, state, batch):
+      grads = jax.grad(loss_fn)(params, batch)
+      step, state = opt_two.update(grads, state, params, batch=batch)
+      return optax.apply_updates(params, step), state
+
+    p1, s1 = params, opt_one.init(params)
+    p2, s2 = params, opt_two.init(params)
+    for batch in batches:
+      p1, s1 = one_pass(p1, s1, batch)
+      p2, s2 = batch_style(p2, s2, batch)
+    assert float(loss_fn(p2, batches[0])) < 0.9 * float(
+        loss_fn(params, batches[0]))  # It trained.
+    for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2))):
+      np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
