@@ -148,7 +148,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     **kfac_options: passed to ``kfl.kfac`` (``estimation``, ``num_samples``,
       ``cov_decay``, ``inverse_every``, ``damping_mode``, ``stats_fraction``,
-      ``blocks``, ``exclude``, ``axis_name``, ``inverse_method``, ...), but
+      ``blocks``, ``exclude``, ``axis_name``, ``inverse_method``,
+      ``example_axis`` (which axis of the batch holds the examples), ...), but
       not ``damping``, which this optimizer adapts; ``norm_constraint``
       defaults to None here (the quadratic model chooses the step's size).
 

@@ -312,7 +312,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
          inverse_every=10, damping_mode="pi", stats_fraction=1.0,
          precon_power=-1.0, norm_constraint=DEFAULT_NORM_CONSTRAINT,
          blocks=None, exclude=(), weight_sharing="expand", axis_name=None,
-         has_aux=False, seed=0, inverse_method="auto"
+         has_aux=False, seed=0, inverse_method="auto", example_axis=None
          ) -> optax.GradientTransformationExtraArgs:
   """The K-FAC preconditioner as an optax transformation (module docstring).
 
@@ -380,6 +380,12 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     axis_name: the ``pmap``/``shard_map`` axis to average the statistics
       over and split the refreshes across; None outside such a map.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    example_axis: which axis of the batch's leaves holds the examples:
+      None the leading one (``kfl.describe`` says when that is a guess),
+      an int for every leaf, or a pytree of the batch's structure with an
+      int or None per leaf; ``1`` for time-major ``[T, B]`` data gives the
+      batch-major model's statistics (``kfl.tagging.find_layers``). Other
+      than 0 it needs ``stats_fraction=1``.
     seed: the seed of the PRNG key (in the state) of the sampled estimators
       under ``batch=``.
     inverse_method: how a refresh computes the π-damped inverses
@@ -418,6 +424,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
   _check_damping(damping)
   estimators.stats_batch_size(example_batch, stats_fraction,
                               "kfac(example_batch)")
+  estimators.check_example_axis(example_axis, stats_fraction, "kfac")
   configured_damping = damping
   damping_schedule = (damping if callable(damping)
                       else (lambda _: configured_damping))
@@ -431,7 +438,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     tagged = _detection.find_layers_cached(
         detection_cache, loss_fn, params,
         example_batch if batch is None else batch,
-        has_aux=has_aux, exclude=exclude)
+        has_aux=has_aux, exclude=exclude, example_axis=example_axis)
     if tagged not in with_blocks:
       with_blocks[tagged] = tagged.with_blocks(
           blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
