@@ -213,3 +213,55 @@ def test_a_square_input_of_a_dense_layer_is_not_ambiguous():
   x = {"x": jnp.ones((4, 4)), "y": jnp.zeros((4, 2))}
   loss = lambda p, b: kfl.squared_error(b["x"] @ p, b["y"]).mean()
   assert "example_axis" not in str(kfl.describe(loss, w, x))
+
+
+@pytest.mark.parametrize("t,b", [(3, 4), (4, 4)])
+def test_haiku_lstm_lm_time_major_equals_batch_major(t, b):
+  """Issue 24's case: a Haiku LSTM LM on time-major ``[T, B]`` tokens
+  (``hk.dynamic_unroll(..., time_major=True)``) with ``example_axis=1``
+  has the statistics of the same parameters run batch-major."""
+  hk = pytest.importorskip("haiku")
+
+  def make(time_major):
+    def f(ids):
+      x = hk.Embed(V, 5)(ids)
+      core = hk.LSTM(6)
+      out, _ = hk.dynamic_unroll(
+          core, x, core.initial_state(ids.shape[1 if time_major else 0]),
+          time_major=time_major)
+      return hk.Linear(V)(jax.nn.relu(hk.Linear(8)(out)))
+    return hk.without_apply_rng(hk.transform(f))
+
+  with x64_mode(True):
+    tm, bm = make(True), make(False)
+    batch = _batch(t, b)
+    params = jax.tree.map(lambda x: x.astype(jnp.float64),
+                          tm.init(jax.random.PRNGKey(0), batch["ids"]))
+    loss = lambda model: lambda p, bt: (
+        kfl.softmax_cross_entropy_with_integer_labels(
+            model.apply(p, bt["ids"]), bt["labels"]).mean())
+    got_fn = kfl.value_grad_and_stats(loss(tm), params, batch,
+                                      estimation="exact", example_axis=1)
+    want_fn = kfl.value_grad_and_stats(loss(bm), params, _transposed(batch),
+                                       estimation="exact")
+    assert not any(l.row_uses or l.is_fallback for l in got_fn.tagged.layers)
+    key = jax.random.PRNGKey(0)
+    got = got_fn(params, batch, key)
+    want = want_fn(params, _transposed(batch), key)
+    for name in want.stats:
+      jax.tree.map(lambda x, y: np.testing.assert_allclose(
+          x, y, rtol=1e-10, atol=1e-13, err_msg=name),
+                   got.stats[name], want.stats[name])
+
+
+def test_a_loss_tied_to_its_batch_size_says_the_axis_was_guessed():
+  """The second trace (example axes one longer) fails: the layers' example
+  axes are matched by size, and ``describe`` says so."""
+  params, batch = _params(np.float32), _batch(3, 4)
+
+  def tied(p, bt):
+    ids = bt["ids"].reshape(3, 4)  # Fails for any other batch size.
+    return time_major_loss(p, dict(bt, ids=ids))
+  text = str(kfl.describe(tied, params, batch, example_axis=1))
+  assert "example axis guessed" in text
+  assert "every input row a use" not in text

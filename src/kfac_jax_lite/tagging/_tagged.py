@@ -284,6 +284,11 @@ class TaggedLoss:
         other = None
     except Exception:  # noqa: BLE001 (a loss tied to its batch size)
       other = None
+    if other is None:
+      self.examples = dataclasses.replace(self.examples, hints=(
+          f"example axis guessed: the loss does not trace the same with "
+          f"{n + 1} examples, so each layer's example axis is its first "
+          f"activation axis of size {n}",))
     for u in tr.uses:
       shape = u.probe_aval.shape
       if other is not None:
