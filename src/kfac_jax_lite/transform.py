@@ -320,7 +320,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
       est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)  # one pass
       tx = optax.chain(kfl.kfac(loss_fn, batch), optax.sgd(lr, momentum=0.9))
       est = est_fn(params, batch, key)
-      updates, state = tx.update(est.grads, state, params, stats=est.stats)
+      updates, state = tx.update(est.grads, state, params, stats=est.stats,
+                                 loss=est.loss)  # loss: for kfl.health
       # or: tx.update(grads, state, params, batch=batch)  (its own pass)
 
   Args:
