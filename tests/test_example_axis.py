@@ -10,6 +10,8 @@ choice open (and when ``T ≠ B`` leaves the recurrent layers without the
 batch's example axis), and how to say another. Bad values are errors at
 build time.
 """
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,7 +117,8 @@ def test_kfac_and_kfac_optimizer_take_example_axis():
 
 def test_describe_says_which_axis_it_took_when_t_equals_b():
   params, batch = _params(np.float32), _batch(4, 4)
-  text = str(kfl.describe(time_major_loss, params, batch))
+  with pytest.warns(UserWarning):
+    text = str(kfl.describe(time_major_loss, params, batch))
   assert "example axis ambiguous" in text
   assert "pass example_axis=1" in text
   told = str(kfl.describe(time_major_loss, params, batch, example_axis=1))
@@ -125,7 +128,8 @@ def test_describe_says_which_axis_it_took_when_t_equals_b():
 
 def test_describe_hints_example_axis_for_time_major_data_with_t_not_b():
   params, batch = _params(np.float32), _batch(3, 5)
-  text = str(kfl.describe(time_major_loss, params, batch))
+  with pytest.warns(UserWarning):
+    text = str(kfl.describe(time_major_loss, params, batch))
   assert "every input row a use" in text  # the recurrent layers
   assert "pass example_axis=1" in text
   told = str(kfl.describe(time_major_loss, params, batch, example_axis=1))
@@ -265,3 +269,20 @@ def test_a_loss_tied_to_its_batch_size_says_the_axis_was_guessed():
   text = str(kfl.describe(tied, params, batch, example_axis=1))
   assert "example axis guessed" in text
   assert "every input row a use" not in text
+
+
+@pytest.mark.parametrize("t,b", [(4, 4), (3, 5)])
+def test_a_scan_over_the_axis_taken_as_examples_warns(t, b):
+  """Time-major data without ``example_axis``: the axis taken as the
+  examples is what the ``lax.scan`` runs over; building warns, and
+  ``describe`` says so. Batch-major data, and ``example_axis=1``, do not."""
+  params, batch = _params(np.float32), _batch(t, b)
+  with pytest.warns(UserWarning, match="lax.scan runs over the axis taken"):
+    text = str(kfl.describe(time_major_loss, params, batch))
+  assert "the data look time-major" in text and "example_axis=1" in text
+  with pytest.warns(UserWarning, match="example_axis=1"):
+    kfl.kfac(time_major_loss, batch).init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    kfl.describe(time_major_loss, params, batch, example_axis=1)
+    kfl.describe(batch_major_loss, params, _transposed(batch))

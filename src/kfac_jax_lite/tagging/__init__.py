@@ -58,7 +58,8 @@ noted in ``describe``). Time-major data says so with ``example_axis=``
 one longer, and the activation axis of each use (and the values' axis of
 each loss) whose size changed is its example axis, relabelled first;
 without it, ``describe`` says when the leading axis was a guess
-(``_examples.guess_hints``). Rows of a table looked up without an example axis
+(``_examples.guess_hints``), and detection warns when a ``lax.scan``
+runs over it (one more trace, with that axis one longer). Rows of a table looked up without an example axis
 (a position embedding ``pos[jnp.arange(T)]``) and added to every example
 are an embedding whose ids are broadcast over the batch: the probe goes on
 the sum, where each example has its own cotangent (through a ``jit``

@@ -24,7 +24,8 @@ pytree of the batch's structure with an int or None (no examples) per
 leaf. Time-major data ``[T, B]`` then has ``example_axis=1``. When the
 choice was not said and is not determined (a leaf has another axis of the
 examples' size: ``T = B``; or the layers' example axis is a later axis of
-a leaf), ``ExampleAxis.hints`` says what was taken and how to change it.
+a leaf), ``ExampleAxis.hints`` says what was taken and how to change it
+(and ``TaggedLoss`` warns when a ``lax.scan`` runs over the axis taken).
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -175,6 +176,8 @@ class TaggedLoss:
     if axes is None:
       self.examples = _examples.guess_hints(_examples.find(batch, tr.uses),
                                             batch, tr.uses)
+      if self.examples.hints:
+        self._scanned_examples(tr, params, batch)
     else:
       self.examples = _examples.given(batch, axes)
       if any(a not in (None, 0) for a in axes):
@@ -262,6 +265,29 @@ class TaggedLoss:
       _relabel(u, self._relabels.get(u.uid))
     return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags,
                   penalties, unrecognised)
+
+  def _scanned_examples(self, tr, params, batch):
+    """When the leading axis was a guess (``ExampleAxis.hints``): trace
+    once more with it one longer; if a ``lax.scan`` that applies a layer
+    gets longer, the axis taken as the examples is a time axis (time-major
+    data): say so in the hint and warn (``UserWarning``), as the
+    statistics will be those of time steps as examples."""
+    ex = self.examples
+    axes = [None] * len(jax.tree.leaves(batch))
+    for i in ex.leaves:
+      axes[i] = 0
+    try:
+      other = self._trace(params, _examples.moved(batch, axes, ex.size + 1))
+    except Exception:  # noqa: BLE001 (a loss tied to its batch size)
+      return
+    if len(other.uses) != len(tr.uses) or not any(
+        [n for _, n in u.levels] != [n for _, n in v.levels]
+        for u, v in zip(tr.uses, other.uses)):
+      return
+    hint = (f"{ex.hints[0]}. A lax.scan runs over the axis taken (the "
+            "data look time-major)")
+    self.examples = dataclasses.replace(ex, hints=(hint,) + ex.hints[1:])
+    warnings.warn(f"kfac_jax_lite: {hint}", UserWarning, stacklevel=4)
 
   def _locate_examples(self, tr, params, batch, axes):
     """``tr`` with the examples' axis of every layer use and loss found
