@@ -175,8 +175,9 @@ def test_example_axis_as_a_pytree_with_none():
 def test_bad_example_axis_is_an_error_at_build_time(example_axis, match):
   params, batch = _params(np.float32), _batch(3, 4)
   for build in (
-      lambda: kfl.kfac(time_major_loss, batch, example_axis=example_axis)
-      .init(params),
+      lambda: kfl.kfac(time_major_loss, batch, example_axis=example_axis),
+      lambda: kfl.kfac_optimizer(time_major_loss, batch,
+                                 example_axis=example_axis),
       lambda: kfl.describe(time_major_loss, params, batch,
                            example_axis=example_axis),
       lambda: kfl.value_grad_and_stats(time_major_loss, params, batch,

@@ -117,13 +117,18 @@ def check_estimation(estimation, num_samples=1):
     raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
 
 
-def check_example_axis(example_axis, stats_fraction, where):
-  """``stats_fraction < 1`` slices the leading axis: refused with an
-  ``example_axis`` that may name another (checked against the batch by
-  ``tagging.find_layers``)."""
-  if stats_fraction < 1 and example_axis is not None and any(
-      a not in (None, 0) for a in jax.tree.leaves(
-          example_axis, is_leaf=lambda x: x is None)):
+def check_example_axis(example_axis, batch, stats_fraction, where):
+  """``example_axis`` must name one axis of ``batch``'s leaves (a
+  ``ValueError`` otherwise, ``tagging._examples.resolve``), the leading
+  one when ``stats_fraction < 1`` (which slices it)."""
+  if example_axis is None:
+    return
+  from kfac_jax_lite.tagging import _examples
+  try:
+    axes = _examples.resolve(batch, example_axis)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  if stats_fraction < 1 and any(a not in (None, 0) for a in axes):
     raise ValueError(f"{where}: stats_fraction < 1 takes the first examples "
                      "along the leading axis; with example_axis="
                      f"{example_axis!r} use stats_fraction=1")
@@ -525,7 +530,8 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
   check_estimation(estimation, num_samples)
   check_stats_fraction(stats_fraction)
   stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)")
-  check_example_axis(example_axis, stats_fraction, "value_grad_and_stats")
+  check_example_axis(example_axis, batch, stats_fraction,
+                     "value_grad_and_stats")
   tagged = tagging.find_layers(
       loss_fn, params, batch, has_aux=has_aux, exclude=exclude,
       example_axis=example_axis).with_blocks(

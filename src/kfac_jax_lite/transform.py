@@ -427,7 +427,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
   _check_damping(damping)
   estimators.stats_batch_size(example_batch, stats_fraction,
                               "kfac(example_batch)")
-  estimators.check_example_axis(example_axis, stats_fraction, "kfac")
+  estimators.check_example_axis(example_axis, example_batch, stats_fraction,
+                                "kfac")
   configured_damping = damping
   damping_schedule = (damping if callable(damping)
                       else (lambda _: configured_damping))
