@@ -49,9 +49,8 @@ PARAM_GROWTH_LIMIT = 10.0
 # layer to weights of 8.8 while the total stayed lower, but on
 # benchmarks/robustness.py (benchmarks/results/robustness_issue24_stall.txt)
 # runs that trained grew one leaf up to 40.5x at lr 0.03 (300 steps) and
-# 102x at lr 0.1
-# (the nnx attention block), more than the runs that failed (11-17.5x): no
-# limit separates them. The loss does (below).
+# 102x at lr 0.1 (the nnx attention block), more than the runs that failed
+# (11.2x and 17.5x): no limit separates them. The loss does (below).
 
 # Stall: after at least STALL_MIN_LOSSES losses, a run whose recent loss
 # (an EMA over about the last 10) is not below its starting loss (the mean
