@@ -117,6 +117,23 @@ def check_estimation(estimation, num_samples=1):
     raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
 
 
+def check_example_axis(example_axis, batch, stats_fraction, where):
+  """``example_axis`` must name one axis of ``batch``'s leaves (a
+  ``ValueError`` otherwise, ``tagging._examples.resolve``), the leading
+  one when ``stats_fraction < 1`` (which slices it)."""
+  if example_axis is None:
+    return
+  from kfac_jax_lite.tagging import _examples
+  try:
+    axes = _examples.resolve(batch, example_axis)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  if stats_fraction < 1 and any(a not in (None, 0) for a in axes):
+    raise ValueError(f"{where}: stats_fraction < 1 takes the first examples "
+                     "along the leading axis; with example_axis="
+                     f"{example_axis!r} use stats_fraction=1")
+
+
 def check_has_loss(tagged, estimation, where):
   """Raises unless ``estimation`` can be computed from ``tagged``'s trace.
 
@@ -150,10 +167,17 @@ def check_has_loss(tagged, estimation, where):
       "estimation='empirical' (per-example gradients; any batch)")
 
 
-def _per_example(c_elem, n):
-  """``c_i``: a loss's element weights summed over all but the batch axis."""
-  return c_elem.reshape(n, -1).sum(-1) if c_elem.ndim else jnp.broadcast_to(
-      c_elem, (n,))
+def _per_example(c_elem, n, axis=0):
+  """``c_i``: a loss's element weights summed over all but the batch axis
+  (``axis``: ``LossTag.example_axis``)."""
+  if not c_elem.ndim:
+    return jnp.broadcast_to(c_elem, (n,))
+  return jnp.moveaxis(c_elem, axis, 0).reshape(n, -1).sum(-1)
+
+
+def _along(v, axis, ndim):
+  """``v [N]`` shaped to broadcast along ``axis`` of ``ndim`` axes."""
+  return v.reshape((1,) * axis + (-1,) + (1,) * (ndim - axis - 1))
 
 
 def _directions(tag, outs, targets, values_shape, mode, key, num_samples):
@@ -168,7 +192,7 @@ def _directions(tag, outs, targets, values_shape, mode, key, num_samples):
   roots = (dist.ggn_sqrt(outs, targets) if mode.endswith("_ggn")
            else dist.fisher_sqrt(outs))
   if mode.startswith("exact"):
-    return _columns(roots, values_shape)
+    return _columns(roots, values_shape, tag.example_axis)
   def project(k):
     r = jax.random.rademacher(k, values_shape + (roots[0].shape[-1],),
                               roots[0].dtype)
@@ -176,15 +200,19 @@ def _directions(tag, outs, targets, values_shape, mode, key, num_samples):
   return jax.vmap(project)(jax.random.split(key, num_samples)), num_samples
 
 
-def _columns(roots, values_shape):
+def _columns(roots, values_shape, axis=0):
   """All columns of ``B``, one loss element of each example at a time.
 
   Elements of one example are independent (their cross terms vanish in
   the Fisher), so each column touches one element position: ``E·K``
-  columns for ``E`` elements per example and ``K`` columns per element.
+  columns for ``E`` elements per example and ``K`` columns per element
+  (``axis``: the values' example axis).
   """
-  e, k = math.prod(values_shape[1:]), roots[0].shape[-1]
-  mask = jnp.eye(e, dtype=roots[0].dtype).reshape((e, 1, 1) + values_shape[1:])
+  within = values_shape[:axis] + values_shape[axis + 1:]
+  e, k = math.prod(within), roots[0].shape[-1]
+  mask = jnp.expand_dims(jnp.eye(e, dtype=roots[0].dtype).reshape(
+      (e,) + within), 1 + axis).reshape((e, 1) + values_shape[:axis] + (1,)
+                                        + values_shape[axis + 1:])
   cols = []
   for b in roots:  # [*values, *event, K]
     bk = jnp.moveaxis(b, -1, 0)  # [K, *values, *event]
@@ -210,7 +238,7 @@ def _output_cotangents(tagged, caps, c_elems, c_i, mode, key, num_samples,
                            num_samples)
     w = jnp.maximum(c_elem, 0)
     if scale_by_example:  # √(c_e / c_i), zero for weightless examples.
-      ci = c_i.reshape((-1,) + (1,) * (c_elem.ndim - 1))
+      ci = _along(c_i, tag.example_axis, c_elem.ndim)
       root = jnp.sqrt(jnp.where(ci > 0, w / jnp.where(ci > 0, ci, 1), 0))
     else:
       root = jnp.sqrt(w)
@@ -281,7 +309,7 @@ def _layer_stats(tagged, caps, cots, c_i, states):
   return stats
 
 
-def _split_by_example(directions, c_i):
+def _split_by_example(directions, c_i, axes=()):
   """Output cotangents ``[S, N, ...]`` split by example: ``[N·S, N, ...]``,
   row ``(j, s)`` example ``j``'s part of sample ``s`` (zero elsewhere)
   times ``√(N c_j)``.
@@ -297,12 +325,15 @@ def _split_by_example(directions, c_i):
   if n == 1:  # One example (or a loss without an example axis).
     return jax.tree.map(lambda x: x * scale[0].astype(x.dtype), directions)
 
-  def split(x):  # [S, N, ...] -> [N·S, N, ...]
-    trail = (1,) * (x.ndim - 2)
+  def split(x, axis):  # [S, ..., N (at 1 + axis), ...] -> [N·S, ...]
     mask = jnp.eye(n, dtype=x.dtype) * scale.astype(x.dtype)[:, None]
-    rows = x[None] * mask.reshape((n, 1, n) + trail)
+    shape = [n] + [1] * x.ndim
+    shape[2 + axis] = n
+    rows = x[None] * mask.reshape(shape)
     return rows.reshape((n * x.shape[0],) + x.shape[1:])
-  return jax.tree.map(split, directions)
+  axes = tuple(axes) or (0,) * len(directions)
+  return tuple(jax.tree.map(lambda x, a=a: split(x, a), d)
+               for d, a in zip(directions, axes))
 
 
 def _fallback_stats(tagged, param_grads, states):
@@ -351,10 +382,12 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
 
   c_elems = [probe_ct[t.uid].astype(_float(probe_ct[t.uid].dtype))
              for t in tagged.losses]
-  n = c_elems[0].shape[0] if c_elems[0].ndim else 1
+  first = tagged.losses[0]
+  n = c_elems[0].shape[first.example_axis] if c_elems[0].ndim else 1
   if n == 0:
     raise ValueError("the batch is empty: its registered loss has no examples")
-  c_i = sum(_per_example(c, n) for c in c_elems)
+  c_i = sum(_per_example(c, n, t.example_axis)
+            for c, t in zip(c_elems, tagged.losses))
   k_layers, k_fallback = jax.random.split(key)
   d, _ = _output_cotangents(tagged, caps, c_elems, c_i, estimation,
                             k_layers, num_samples, True)
@@ -365,7 +398,8 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
                        states)
   if has_fallbacks and estimation in PER_EXAMPLE_FALLBACKS:
     # Exact directions: one backward pass per example and sample.
-    fb_grads, _ = back(_split_by_example(d, c_i))
+    fb_grads, _ = back(_split_by_example(
+        d, c_i, [t.example_axis for t in tagged.losses]))
     stats.update(_fallback_stats(tagged, fb_grads, states))
   elif has_fallbacks:  # Sampled: cross-example terms vanish in expectation.
     d_fb, _ = _output_cotangents(tagged, caps, c_elems, c_i, estimation,

@@ -6,7 +6,8 @@ block's curvature statistics from one forward pass, and when to skip them.
 
     def step(params, state, batch, key):
       est = est_fn(params, batch, key, with_stats=kfl.stats_due(state))
-      updates, state = tx.update(est.grads, state, params, stats=est.stats)
+      updates, state = tx.update(est.grads, state, params, stats=est.stats,
+                                 loss=est.loss)   # loss: for kfl.health
       ...
 
 Amortisation. ``kfl.kfac`` accumulates statistics only at the updates
@@ -30,16 +31,16 @@ import numpy as np
 from kfac_jax_lite import tagging
 from kfac_jax_lite import transform
 from kfac_jax_lite.estimators import (
-    Estimate, check_estimation, check_has_loss, check_stats_fraction,
-    estimate, stats_batch_size, stats_slice)
+    Estimate, check_estimation, check_example_axis, check_has_loss,
+    check_stats_fraction, estimate, stats_batch_size, stats_slice)
 
 
 def stats_due(state):
   """Whether the next ``kfl.kfac`` update accumulates statistics.
 
   ``state``: an optax state holding one ``kfl.kfac`` state (its own, a
-  chain's, or ``kfl.kfac_optimizer``'s). Returns the scalar boolean
-  ``KfacState.stats_due``, ``count % cov_every == 0`` for the update to
+  chain's, or ``kfl.kfac_optimizer``'s). Returns a scalar boolean from
+  ``KfacState.stats_due``: ``count % cov_every == 0`` for the update to
   come; pass it as ``est_fn(..., with_stats=kfl.stats_due(state))`` so the
   statistics are computed only on the steps that use them (module doc).
   """
@@ -50,13 +51,13 @@ def stats_due(state):
     raise ValueError(
         "kfl.stats_due needs an optax state that holds exactly one kfl.kfac "
         f"state (KfacState); found {len(found)} in {type(state).__name__}")
-  return found[0].stats_due
+  return found[0].stats_due > 0
 
 
 def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
                          num_samples=1, stats_fraction=1.0, has_aux=False,
                          blocks=None, exclude=(), weight_sharing="expand",
-                         damping_mode="pi"):
+                         damping_mode="pi", example_axis=None):
   """``fn(params, batch, key) -> Estimate``: the loss, its gradient and the
   curvature statistics of every block, for ``kfac``'s ``update(..., stats=)``.
 
@@ -114,6 +115,11 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
       its blocks.
     damping_mode: ``"pi"`` or ``"exact"``, as in ``kfl.kfac``: it chooses
       the blocks' caches, so it must match the transform's too.
+    example_axis: which axis of the batch's leaves holds the examples, as
+      in ``kfl.kfac`` (``kfl.tagging.find_layers``): None the leading
+      one, an int for every leaf, or a pytree of the batch's structure
+      with an int or None per leaf (``example_axis=1`` for time-major
+      ``[T, B]`` data); other than 0 it needs ``stats_fraction=1``.
 
   Returns:
     ``fn(params, batch, key, states=None, *, with_stats=True) -> Estimate``
@@ -130,8 +136,11 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
   check_estimation(estimation, num_samples)
   check_stats_fraction(stats_fraction)
   stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)")
+  check_example_axis(example_axis, batch, stats_fraction,
+                     "value_grad_and_stats")
   tagged = tagging.find_layers(
-      loss_fn, params, batch, has_aux=has_aux, exclude=exclude).with_blocks(
+      loss_fn, params, batch, has_aux=has_aux, exclude=exclude,
+      example_axis=example_axis).with_blocks(
           blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
   check_has_loss(tagged, estimation, "value_grad_and_stats")
 

@@ -42,7 +42,7 @@ the one-pass estimate instead, as ``kfl.kfac``'s ``update`` does::
 
     est = est_fn(params, batch, key, with_stats=kfl.stats_due(state))
     step, state = opt.update(est.grads, state, params, batch=batch,
-                             stats=est.stats)
+                             stats=est.stats, loss=est.loss)
 
 (``est_fn = kfl.value_grad_and_stats(loss_fn, params, batch, ...)`` with
 the same estimation options). To read the loss at the new parameters it
@@ -157,15 +157,17 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     **kfac_options: passed to ``kfl.kfac`` (``estimation``, ``num_samples``,
       ``cov_decay``, ``inverse_every``, ``damping_mode``, ``stats_fraction``,
-      ``blocks``, ``exclude``, ``axis_name``, ``inverse_method``, ...), but
+      ``blocks``, ``exclude``, ``axis_name``, ``inverse_method``,
+      ``example_axis`` (which axis of the batch holds the examples), ...), but
       not ``damping``, which this optimizer adapts; ``norm_constraint``
       defaults to None here (the quadratic model chooses the step's size).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads,
-    state, params, *, batch, stats=None)`` returns the whole step ``αΔ +
-    μδ`` (``stats=``: the statistics of ``kfl.value_grad_and_stats``, used
-    by the preconditioner instead of its own pass; module docstring).
+    state, params, *, batch, stats=None, loss=None)`` returns the whole step
+    ``αΔ + μδ`` (``stats=``: the statistics of ``kfl.value_grad_and_stats``,
+    used by the preconditioner instead of its own pass, with ``loss=`` the
+    batch's loss for ``kfl.health``, as ``kfl.kfac``'s; module docstring).
   """
   if curvature not in ("ggn", "fisher"):
     raise ValueError(f"curvature must be 'ggn' or 'fisher', got {curvature!r}")
@@ -226,7 +228,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
                               zeros, scalar(0.0), scalar(0.0), scalar(0.0))
 
   def update_fn(grads, state, params=None, *, batch=None, stats=None,
-                **extra_args):
+                loss=None, **extra_args):
     del extra_args
     if params is None or batch is None:
       raise ValueError("kfac_optimizer.update needs params and batch=")
@@ -234,7 +236,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     dtype = transform.float_dtype(params)
     lam = state.damping.astype(dtype)
     precond, kstate = inner.update(grads, state.kfac, params, batch=batch,
-                                   stats=stats, damping=lam + l2_reg)
+                                   stats=stats, damping=lam + l2_reg,
+                                   loss=loss)
     delta = jax.tree.map(lambda u: -u, precond)
     first = kstate.count == 1
     vel = state.velocity
