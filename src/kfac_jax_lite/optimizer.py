@@ -35,10 +35,19 @@ update:
    to 1e-2. With ``1e-5`` the final loss of those runs was within 1.5× of
    the ``1e-8`` one (``benchmarks/robustness.py``, README "Defaults").
 
-Extra args: ``update(grads, state, params, *, batch)`` needs only the
-batch. To read the loss at the new parameters it evaluates
-``loss_fn(params + step, batch)`` itself (one more forward pass on T₁-th
-steps) — no other extra argument is read. The returned update is the whole
+Extra args: ``update(grads, state, params, *, batch, stats=None)`` needs
+the batch, for the quadratic model's products and, without ``stats=``, for
+the preconditioner's statistics (its own pass). ``stats=`` takes them from
+the one-pass estimate instead, as ``kfl.kfac``'s ``update`` does::
+
+    est = est_fn(params, batch, key, with_stats=kfl.stats_due(state))
+    step, state = opt.update(est.grads, state, params, batch=batch,
+                             stats=est.stats)
+
+(``est_fn = kfl.value_grad_and_stats(loss_fn, params, batch, ...)`` with
+the same estimation options). To read the loss at the new parameters it
+evaluates ``loss_fn(params + step, batch)`` itself (one more forward pass
+on T₁-th steps) — no other extra argument is read. The returned update is the whole
 step: apply it with ``optax.apply_updates`` (do not chain a learning rate).
 The preconditioner's damping is ``λ + η`` (M&G's γ adaptation is replaced
 by tying γ² to it).
@@ -158,7 +167,9 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads,
-    state, params, *, batch)`` returns the whole step ``αΔ + μδ``.
+    state, params, *, batch, stats=None)`` returns the whole step ``αΔ +
+    μδ`` (``stats=``: the statistics of ``kfl.value_grad_and_stats``, used
+    by the preconditioner instead of its own pass; module docstring).
   """
   if curvature not in ("ggn", "fisher"):
     raise ValueError(f"curvature must be 'ggn' or 'fisher', got {curvature!r}")
@@ -218,7 +229,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     return KfacOptimizerState(inner.init(params), scalar(initial_damping),
                               zeros, scalar(0.0), scalar(0.0), scalar(0.0))
 
-  def update_fn(grads, state, params=None, *, batch=None, **extra_args):
+  def update_fn(grads, state, params=None, *, batch=None, stats=None,
+                **extra_args):
     del extra_args
     if params is None or batch is None:
       raise ValueError("kfac_optimizer.update needs params and batch=")
@@ -226,7 +238,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     dtype = transform.float_dtype(params)
     lam = state.damping.astype(dtype)
     precond, kstate = inner.update(grads, state.kfac, params, batch=batch,
-                                   damping=lam + l2_reg)
+                                   stats=stats, damping=lam + l2_reg)
     delta = jax.tree.map(lambda u: -u, precond)
     first = kstate.count == 1
     vel = state.velocity

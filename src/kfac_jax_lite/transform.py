@@ -92,6 +92,9 @@ class KfacState(NamedTuple):
   num_clipped: Any  # int32: updates the KL clip scaled down (s < 1).
   param_norm_first: Any  # ‖θ‖ at the first update (curvature dtype).
   param_norm: Any  # ‖θ‖ at the latest update (curvature dtype).
+  # bool: the next update accumulates statistics (``count % cov_every ==
+  # 0``); ``kfl.stats_due`` reads it to skip them on the other steps.
+  stats_due: Any
 
 
 def float_dtype(tree):
@@ -352,7 +355,9 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     cov_decay: ``β`` of the zero-debiased EMA ``C ← β C + (1-β) X`` of the
       factors.
     cov_every: statistics are computed and accumulated every ``cov_every``
-      steps (from step 0).
+      steps (from step 0). With ``stats=`` they are used only on those
+      steps: compute them only then with ``est_fn(..., with_stats=
+      kfl.stats_due(state))`` (``KfacState.stats_due``; ``kfl.onepass``).
     inverse_every: the caches are refreshed every ``inverse_every`` steps,
       and at steps 1, 2, 4, 8, ... below it (``is_refresh_step``).
     damping_mode: ``"pi"`` (factored Tikhonov: ``A + π√λ I`` and
@@ -453,7 +458,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
         num_bad_grads=zero(), num_bad_updates=zero(), num_bad_damping=zero(),
         num_nonfinite_params=zero(), num_clipped=zero(),
         param_norm_first=jnp.zeros((), float_dtype(leaves)),
-        param_norm=jnp.zeros((), float_dtype(leaves)))
+        param_norm=jnp.zeros((), float_dtype(leaves)),
+        stats_due=jnp.ones((), jnp.bool_))
 
   def update_fn(grads, state, params=None, *, batch=None, stats=None,
                 damping=None, **extra_args):
@@ -519,7 +525,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
         num_clipped=state.num_clipped + count(good & update_ok & (scale < 1)),
         param_norm_first=jnp.where(state.count == 0, norm,
                                    state.param_norm_first),
-        param_norm=norm)
+        param_norm=norm, stats_due=(state.count + 1) % cov_every == 0)
     return jax.tree.unflatten(treedef, out), new_state
 
   update_fn.layers = tagged_for
