@@ -29,6 +29,8 @@ def _public_names():
     mod = importlib.import_module(f"kfac_jax_lite.{sub}")
     assert hasattr(mod, "__all__"), f"kfac_jax_lite.{sub} has no __all__"
     out += [(mod.__name__, n) for n in mod.__all__]
+  for module, name in out:
+    assert hasattr(importlib.import_module(module), name), (module, name)
   return out
 
 

@@ -91,10 +91,7 @@ from kfac_jax_lite import tagging
 from kfac_jax_lite._fraction import (  # noqa: F401 (re-exported)
     check_stats_fraction, stats_batch_size, stats_slice)
 
-__all__ = [
-    "ESTIMATIONS", "Estimate", "estimate", "linearized_outputs",
-    "value_grad_and_stats",
-]
+__all__ = ["ESTIMATIONS", "Estimate", "estimate", "linearized_outputs"]
 
 ESTIMATIONS = ("fisher", "empirical", "curvature_prop", "exact",
                "curvature_prop_ggn", "exact_ggn")
