@@ -91,8 +91,11 @@ from kfac_jax_lite import tagging
 from kfac_jax_lite._fraction import (  # noqa: F401 (re-exported)
     check_stats_fraction, stats_batch_size, stats_slice)
 
+__all__ = ["ESTIMATIONS", "Estimate", "estimate", "linearized_outputs"]
+
 ESTIMATIONS = ("fisher", "empirical", "curvature_prop", "exact",
                "curvature_prop_ggn", "exact_ggn")
+"""The ``estimation`` modes (see the module doc)."""
 # The modes whose directions are not random: a fallback block gets the
 # per-example gradients (N backward passes per sample), see the module doc.
 PER_EXAMPLE_FALLBACKS = ("empirical", "exact", "exact_ggn")

@@ -65,6 +65,9 @@ from kfac_jax_lite import transform
 
 
 class KfacOptimizerState(NamedTuple):
+  """The state of ``kfac_optimizer``: the inner ``KfacState`` and the adapted
+  damping, step and momentum."""
+
   kfac: transform.KfacState
   damping: Any  # λ, adapted by Levenberg–Marquardt.
   velocity: Any  # The previous update δ.
@@ -136,10 +139,11 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
       mode (``kfl.kfac``'s default) an adapted ``λ`` reaches the cached
       inverses at their next refresh (``inverse_every``); the quadratic
       model uses the current ``λ`` at every step.
-    min_damping, max_damping: the range ``λ`` is clipped to. The floor
+    min_damping: the floor of the range ``λ`` is clipped to. The floor
       (default 1e-5, as in kfac-jax's examples; Martens & Grosse count their
       ℓ2 term η = 1e-5 in the damping) keeps an easy problem from driving
       ``λ`` so low that a harder patch needs hundreds of steps to recover.
+    max_damping: the ceiling of that range.
     damping_decay: ``ω`` per step: every ``damping_adaptation_interval``
       (``T₁``) steps ``λ`` is multiplied by ``ω^{T₁}`` when ``ρ > ¾`` and
       divided by it when ``ρ < ¼``; in ``(0, 1)``.

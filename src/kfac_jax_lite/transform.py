@@ -79,6 +79,8 @@ from kfac_jax_lite._safeguards import clip, guard, inner_product  # noqa: F401
 
 
 class KfacState(NamedTuple):
+  """The state of ``kfac``: step count, block states and safeguard counters."""
+
   count: Any  # int32: updates so far.
   key: Any  # PRNG key for the sampled estimators.
   blocks: dict  # layer name -> block state (leading stack axis if stacked).
