@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from jax import lax
 
+from kfac_jax_lite.tagging import _joined
 from kfac_jax_lite.tagging import _matching
 from kfac_jax_lite.tagging import _penalties
 from kfac_jax_lite.tagging import _views
@@ -70,7 +71,8 @@ def inner_jaxpr(eqn):
   return j, ()
 
 
-class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
+class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
+               _joined.JoinedMatching):
 
   def __init__(self):
     self.uses: list[Use] = []
@@ -80,7 +82,11 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
   # --------------------------------------------------------------- helpers
   def _opaque(self, view, reason, where):
     """Record an unmatched use of ``view``'s leaf (a ``Tail``: of the
-    leaves of its penalties)."""
+    leaves of its penalties; a ``Joined``: of its parts)."""
+    if isinstance(view, _joined.Joined):
+      for part in view.parts:
+        self._opaque(part, reason, where)
+      return
     if isinstance(view, Tail):
       for pid, _ in view.terms:
         self._opaque(self.penalties[pid], reason, where)
@@ -123,6 +129,10 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
           new = _penalties.layout(views[0], eqn)
           if new is None:
             self._opaque(views[0], "a penalty broadcast into the model", where)
+        elif isinstance(views[0], _joined.Joined):
+          new = _joined.apply_layout(views[0], eqn)
+          if new is None:
+            self._opaque(views[0], f"concatenated, then `{name}`", where)
         elif isinstance(views[0], Regrouped):
           new = views[0] if name in _views.IDENTITY_PRIMS else (
               _penalties.as_derived(views[0], views[0].how))
@@ -140,6 +150,8 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
         # use of the slice is a column block of the whole kernel's layer.
         for ov, view in zip(eqn.outvars, _views.slice_views(views[0], eqn)):
           env[ov] = view
+      elif _joined.join(views, eqn) is not None:  # Kernels concatenated.
+        env[eqn.outvars[0]] = _joined.join(views, eqn)
       elif inner_jaxpr(eqn) is not None:
         inner, _ = inner_jaxpr(eqn)
         if len(inner.invars) != len(eqn.invars):
@@ -222,7 +234,10 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
     env = ctx["env"]
     views = [env.get(v) if _is_var(v) else None for v in eqn.invars]
     name = eqn.primitive.name
-    if name != "dot_general" and any(isinstance(v, Regrouped) for v in views):
+    if name != "dot_general" and any(isinstance(v, _joined.Joined)
+                                     for v in views):
+      fn = lambda *_: f"concatenated with other parameters before `{name}`"
+    elif name != "dot_general" and any(isinstance(v, Regrouped) for v in views):
       fn = lambda *_: f"reshaped by `reshape` before `{name}`"
     elif name != "dot_general" and any(isinstance(v, Sliced) for v in views):
       fn = self._sliced_rows  # ``x + pos[:t]``, else the reason.
@@ -260,6 +275,8 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
     kv = views[k]
     if isinstance(kv, Regrouped):
       return self._dense_regrouped(i, eqn, k, kv, ctx)
+    if isinstance(kv, _joined.Joined):
+      return self._dense_joined(i, eqn, k, kv, ctx)
     sliced = isinstance(kv, Sliced)
     if not kv.pure and not (sliced and None not in kv.dims):
       return "broadcast or reshaped before dot_general"

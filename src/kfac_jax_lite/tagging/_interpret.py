@@ -62,6 +62,9 @@ def _read_capture(spec, read):
   if spec[0] == "iota":  # Ids ``lo, lo + 1, ...`` along ``axis`` of ``shape``.
     _, lo, shape, axis = spec
     return lo + lax.broadcasted_iota(jnp.int32, shape, axis)
+  if spec[0] == "slice":  # An input slice (a kernel joined along its input).
+    _, v, axis, lo, hi = spec
+    return lax.slice_in_dim(read(v), lo, hi, axis=axis)
   if spec[0] == "var":
     x = read(spec[1])
     return jnp.broadcast_to(x, spec[2]) if len(spec) > 2 else x
@@ -98,7 +101,9 @@ def run(plan, jaxpr, consts, args, prefix, probes, caps):
     else:
       outs = bind_equation(eqn, invals)
     for uid in plan.probes.get(key, ()):
-      outs[0] = outs[0] + probes[uid].astype(outs[0].dtype)
+      pad = plan.uses[uid].config.get("probe_pad")
+      pr = probes[uid].astype(outs[0].dtype)
+      outs[0] = outs[0] + (pr if pad is None else jnp.pad(pr, pad))
     if key in plan.losses:
       uid = plan.losses[key]
       caps[uid] = tuple(invals[1:])  # The model outputs, then the targets.
