@@ -131,7 +131,8 @@ class JoinedMatching:
       in_axes = tuple(sorted(jv.leaf_axis(p, a) - base for a in kc
                              if jv.leaf_axis(p, a) is not None))
       config = dict(in_axes=in_axes, kernel_shape=tuple(
-          part.leaf_shape[base:]), joined=(p, len(jv.parts)))
+          part.leaf_shape[base:]), joined=(
+              len(jv.parts), "output" if oj is not None else "input"))
       roles = {"kernel": part}
       capture, cap_aval = ("var", x), x.aval
       probe_i, probe_aval = i, out.aval
