@@ -361,11 +361,15 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
     roles = {"kernel": kv}
     probe_i, probe_aval, labels = i, out.aval, out_labels
     found = self._bias_add(out, tuple(out_labels), ctx, {("c", dn.out_spec[1])})
-    if found is not None and tuple(
-        ctx["jaxpr"].eqns[found[0]].outvars[0].aval.shape) != tuple(out.aval.shape):
+    if found is not None and (tuple(ctx["jaxpr"].eqns[found[0]].outvars[
+        0].aval.shape) != tuple(out.aval.shape) or any(
+            l != m and not (l == ("u",) and n == 1) for l, m, n in
+            zip(found[2], out_labels, out.aval.shape))):
       # The conv block reads cotangents in the conv's output layout: a bias
       # added after a reshape or slice stays a block of its own (a shift).
       found = None
+    elif found is not None:  # Unit axes moved (one output channel, vmap).
+      found = found[:2] + (out_labels,)
     if found is not None:
       j, bview, labels = found
       ctx["claimed"].add(j)
