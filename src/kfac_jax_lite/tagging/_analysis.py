@@ -18,6 +18,7 @@ from jax import lax
 from kfac_jax_lite.tagging import _joined
 from kfac_jax_lite.tagging import _matching
 from kfac_jax_lite.tagging import _penalties
+from kfac_jax_lite.tagging import _scaled
 from kfac_jax_lite.tagging import _views
 from kfac_jax_lite.tagging._penalties import Penalty, Tail
 from kfac_jax_lite.tagging._views import Regrouped, Sliced, View
@@ -150,6 +151,8 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
         # use of the slice is a column block of the whole kernel's layer.
         for ov, view in zip(eqn.outvars, _views.slice_views(views[0], eqn)):
           env[ov] = view
+      elif _scaled.scaled_view(eqn, views, key, jaxpr) is not None:
+        env[eqn.outvars[0]] = _scaled.scaled_view(eqn, views, key, jaxpr)
       elif _joined.join(views, eqn) is not None:  # Kernels concatenated.
         env[eqn.outvars[0]] = _joined.join(views, eqn)
       elif inner_jaxpr(eqn) is not None:
@@ -179,6 +182,10 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
             self.walk(br.jaxpr, views[1:], key + (b,), levels, sub, in_while)
       elif tracked or _penalties.starts(eqn, views):
         self._tracked(eqn, views, ctx)
+        out = env.get(eqn.outvars[0])
+        if _scaled.normalised_by_itself(eqn, views, out):  # Weight norm.
+          env[eqn.outvars[0]] = dataclasses.replace(
+              out, how=_scaled.FUNCTION_OF_ITSELF)
       else:
         pending.append(i)
     for i in pending:
@@ -234,8 +241,14 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
     env = ctx["env"]
     views = [env.get(v) if _is_var(v) else None for v in eqn.invars]
     name = eqn.primitive.name
-    if name != "dot_general" and any(isinstance(v, _joined.Joined)
-                                     for v in views):
+    if any(getattr(v, "scales", ()) for v in views) and name not in (
+        "dot_general", "conv_general_dilated"):
+      fn = lambda *_: ("scaled by a stop-gradient scalar before "
+                       f"`{name}` (only dense and conv kernels take it)")
+    elif name in ("mul", "div") and _scaled.scaled_by_scalar(eqn, views):
+      fn = lambda *_: _scaled.NOT_STOPPED
+    elif name != "dot_general" and any(isinstance(v, _joined.Joined)
+                                       for v in views):
       fn = lambda *_: f"concatenated with other parameters before `{name}`"
     elif name != "dot_general" and any(isinstance(v, Regrouped) for v in views):
       fn = lambda *_: f"reshaped by `reshape` before `{name}`"
@@ -340,7 +353,8 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
       ctx["claimed"].add(j)
       roles["bias"] = bview
       probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
-    self._record("dense", roles, ctx, i, ("var", x), x.aval, probe_i,
+    self._record("dense", roles, ctx, i, _scaled.capture(x, kv), x.aval,
+                 probe_i,
                  probe_aval, in_labels, labels, config)
 
   def _conv(self, i, eqn, views, ctx):
@@ -388,7 +402,8 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
             tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)),
         feature_group_count=p["feature_group_count"],
         precision=p.get("precision"))
-    self._record("conv", roles, ctx, i, ("var", lhs), lhs.aval, probe_i,
+    self._record("conv", roles, ctx, i, _scaled.capture(lhs, kv), lhs.aval,
+                 probe_i,
                  probe_aval, in_labels, labels, config,
                  examples=lhs.aval.shape[dn.lhs_spec[0]])
     return None
@@ -482,7 +497,7 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
       e3 = ctx["jaxpr"].eqns[j]
       w = [v for v in e3.invars if v is not y]
       hv = ctx["env"].get(w[0]) if len(w) == 1 and _is_var(w[0]) else None
-      if (e3.primitive.name == "add" and isinstance(hv, View) and hv.leaf != sv.leaf
+      if (e3.primitive.name == "add" and _scaled.plain(hv) and hv.leaf != sv.leaf
           and hv.stacked == sv.stacked
           and tuple(e3.outvars[0].aval.shape) == shape
           and hv.nonunit(shape) == nonunit and hv.covers(shape)):

@@ -74,7 +74,7 @@ class ViewMatching:
       if len(other) != 1 or not _is_var(other[0]):
         continue
       bview = ctx["env"].get(other[0])
-      if not isinstance(bview, View):
+      if not isinstance(bview, View) or getattr(bview, "scales", ()):
         continue
       shape = tuple(eqn.outvars[0].aval.shape)
       if shape != tuple(v.aval.shape):

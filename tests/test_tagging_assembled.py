@@ -160,3 +160,81 @@ def test_joined_then_not_a_product_falls_back_and_says_why():
   assert [r.kind for r in rows] == ["fallback"] * 2, rows
   assert all("concatenated with other parameters before `mul`" in r.notes
              for r in rows), rows
+
+
+# ------------------------------------- a kernel scaled by a stop-gradient scalar
+# ``K = V / sg(‖V‖)``: the gradient of V is 1/s times the kernel's, so V's
+# block is the dense (conv) block of the input x/s. Also a conv kernel, and
+# the scaled kernel used inside a ``jax.jit`` and at every ``lax.scan`` step.
+sg = jax.lax.stop_gradient
+
+
+def scaled(p, x):
+  k = p["v"] / sg(jnp.linalg.norm(p["v"]))
+  h = jax.jit(lambda x, k: jnp.tanh(x @ k + p["bv"]))(x, k)
+  r = p["r"] * sg(1.0 + jnp.sum(p["r"] ** 2))   # Multiplied, not divided.
+
+  def step(c, _):
+    return jnp.tanh(c @ r), None
+  h, _ = jax.lax.scan(step, h, None, length=2)
+  im = x.reshape(x.shape[0], 2, 2, 1)
+  y = jax.lax.conv_general_dilated(
+      im, p["c"] / sg(jnp.max(jnp.abs(p["c"]))), (1, 1), "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return jnp.mean(jnp.sum(h ** 2, 1) + jnp.sum(y ** 2, (1, 2, 3)))
+
+
+def _scaled_params(dtype):
+  k = jax.random.split(jax.random.key(3), 4)
+  return {"v": jax.random.normal(k[0], (D, H), dtype),
+          "bv": 0.1 * jnp.ones(H, dtype),
+          "r": jax.random.normal(k[1], (H, H), dtype) / 2,
+          "c": jax.random.normal(k[2], (2, 2, 1, 3), dtype)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_stop_gradient_scaled_kernels_rebuild_per_example_gradients(dtype):
+  with x64_mode(dtype == "float64"):
+    dt = jnp.dtype(dtype)
+    p = _scaled_params(dt)
+    x = jax.random.normal(jax.random.key(4), (N, D), dt)
+    rows = kfl.describe(scaled, p, x)
+    assert sorted((r.name, r.kind, r.params) for r in rows) == [
+        ("c", "conv", ("c",)), ("r", "dense", ("r",)),
+        ("v", "dense", ("v", "bv"))], str(rows)
+    tl = kfl.tagging.find_layers(scaled, p, x)
+
+    @jax.jit
+    def both(p, x):
+      per_ex = tl.per_example_grads(*_probed(tl, p, x, N))
+      ref = jax.vmap(lambda xi: jax.grad(scaled)(p, xi[None]))(x)
+      return per_ex, ref
+    per_ex, ref = both(p, x)
+    for path in ("v", "bv", "c", "r"):
+      assert per_ex[path].dtype == dt
+      assert_rounding_close(per_ex[path], ref[path], terms=2 * D,
+                            depth=12, err_msg=path)
+
+
+def test_one_example_scaled_block_is_its_gradient_outer_product():
+  with x64_mode(True):
+    p = _scaled_params(jnp.float64)
+    x = jax.random.normal(jax.random.key(4), (1, D), jnp.float64)
+    tl = kfl.tagging.find_layers(scaled, p, x).with_blocks()
+    data = jax.jit(lambda p, x: tl.layer_data(*_probed(tl, p, x, 1)))(p, x)
+    grads = jax.grad(scaled)(p, x)
+    s = tl.layer("v").block.layer_stats(data["v"])
+    g = np.concatenate([np.ravel(grads["v"]), np.ravel(grads["bv"])])
+    assert_rounding_close(np.kron(s.a[0], s.g[0]), np.outer(g, g),
+                          terms=2 * D, depth=8)
+
+
+def test_kernel_normalised_by_its_own_norm_falls_back_and_says_why():
+  p = _scaled_params(jnp.float32)
+
+  def weight_norm(p, x):  # g · v/‖v‖ per output column: ‖v‖ differentiated.
+    k = p["v"] / jnp.linalg.norm(p["v"], axis=0) * p["bv"]
+    return jnp.mean(jnp.sum(jnp.tanh(x @ k) ** 2, 1))
+  rows = {r.name: r for r in kfl.describe(weight_norm, p, jnp.ones((N, D)))}
+  assert rows["v"].kind == "fallback", rows
+  assert "differentiable function of itself" in rows["v"].notes, rows
