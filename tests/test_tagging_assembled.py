@@ -238,3 +238,18 @@ def test_kernel_normalised_by_its_own_norm_falls_back_and_says_why():
   rows = {r.name: r for r in kfl.describe(weight_norm, p, jnp.ones((N, D)))}
   assert rows["v"].kind == "fallback", rows
   assert "differentiable function of itself" in rows["v"].notes, rows
+
+
+def test_bilstm_kfac_step_preconditions_every_gate():
+  # The K-FAC step of the Flax BiLSTM runs, stays finite, and changes every
+  # gate's update (a block, not the gradient passed through).
+  loss, p, x = _bilstm(jnp.float32)
+  tx = kfl.kfac(loss, x, estimation="empirical")
+  state = tx.init(p)
+  g = jax.grad(loss)(p, x)
+  u, _ = jax.jit(tx.update)(g, state, p, batch=x)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(u)[0],
+                          jax.tree.leaves(g)):
+    assert bool(jnp.isfinite(a).all()), path
+    assert not np.allclose(np.asarray(a), -np.asarray(b)) and not np.allclose(
+        np.asarray(a), np.asarray(b)), path
