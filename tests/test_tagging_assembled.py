@@ -30,14 +30,16 @@ def _params(dtype):
   k = jax.random.split(jax.random.key(0), 8)
   r = lambda i, *s: jax.random.normal(k[i], s, dtype) / 2
   return {"a": r(0, D, H), "b": r(1, D, 3), "ba": r(2, H), "bb": r(3, 3),
-          "c": r(4, 2, H), "d": r(5, 3, H), "e": r(6, D, H), "f": r(7, D, H)}
+          "c": r(4, 2, H), "d": r(5, 3, H), "e": r(6, D, H), "f": r(7, D, H),
+          "bz": 0.1 * r(2, H)}
 
 
 def joined(p, x):
-  # Output axis (with joined biases), then input axis, then stacked gates.
+  # Output axis (with joined biases), then input axis (the bias goes with
+  # the first part), then stacked gates.
   y = x @ jnp.concatenate([p["a"], p["b"]], 1) + jnp.concatenate(
       [p["ba"], p["bb"]])
-  z = jnp.tanh(y) @ jnp.concatenate([p["c"], p["d"]], 0)
+  z = jnp.tanh(y) @ jnp.concatenate([p["c"], p["d"]], 0) + p["bz"]
   g = jnp.einsum("nd,dgh->ngh", x, jnp.stack([p["e"], p["f"]], 1))
   return jnp.mean(jnp.sum(z ** 2, 1) + jnp.sum(jnp.tanh(g) ** 3, (1, 2)))
 
@@ -253,3 +255,15 @@ def test_bilstm_kfac_step_preconditions_every_gate():
     assert bool(jnp.isfinite(a).all()), path
     assert not np.allclose(np.asarray(a), -np.asarray(b)) and not np.allclose(
         np.asarray(a), np.asarray(b)), path
+
+
+def test_stacked_vectors_contracted_away_fall_back_and_say_why():
+  # Vectors stacked along the contracted axis: each piece is an output row
+  # times one input feature, no input axis of its own (a scale, not dense).
+  p = {"e": jnp.ones(3), "f": jnp.ones(3)}
+
+  def loss(p, x):
+    return jnp.mean(jnp.einsum("ng,gh->nh", x, jnp.stack([p["e"], p["f"]])) ** 2)
+  rows = kfl.describe(loss, p, jnp.ones((N, 2)))
+  assert [r.kind for r in rows] == ["fallback"] * 2, rows
+  assert all("no input or no output axis" in r.notes for r in rows), rows

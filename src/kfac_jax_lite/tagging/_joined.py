@@ -111,6 +111,10 @@ class JoinedMatching:
       if (sorted(own) != need or any(d is None and a != ja for a, d in
                                      enumerate(got))):
         return "concatenated with a broadcast or re-laid-out piece"
+      if not {got[a] for a in kc} - {None} or all(
+          got[a] is None for a in range(nk) if a not in kc):
+        return ("stacked, then a piece has no input or no output axis of "
+                "its own in the product")
     free = [a for a in range(nk) if a not in kc]
     if not free:
       return "concatenated, then every kernel axis contracted"
@@ -199,7 +203,7 @@ class JoinedMatching:
       eqn = ctx["jaxpr"].eqns[j]
       other = [w for w in eqn.invars if w is not v]
       if (eqn.primitive.name != "add" or j in ctx["claimed"]
-          or len(other) != 1 or not hasattr(other[0], "aval")):
+          or len(other) != 1 or hasattr(other[0], "val")):
         continue
       bjv = ctx["env"].get(other[0])
       shape = tuple(eqn.outvars[0].aval.shape)
