@@ -240,6 +240,7 @@ def test_kernel_normalised_by_its_own_norm_falls_back_and_says_why():
   rows = {r.name: r for r in kfl.describe(weight_norm, p, jnp.ones((N, D)))}
   assert rows["v"].kind == "fallback", rows
   assert "differentiable function of itself" in rows["v"].notes, rows
+  assert "weight norm's g" in rows["bv"].notes, rows
 
 
 def test_bilstm_kfac_step_preconditions_every_gate():
