@@ -268,3 +268,21 @@ def test_stacked_vectors_contracted_away_fall_back_and_say_why():
   rows = kfl.describe(loss, p, jnp.ones((N, 2)))
   assert [r.kind for r in rows] == ["fallback"] * 2, rows
   assert all("no input or no output axis" in r.notes for r in rows), rows
+
+
+def test_equinox_spectral_norm_falls_back_and_says_why():
+  # Equinox's SpectralNorm divides by σ = uᵀWv with only u, v held
+  # constant: σ is differentiated, so W's gradient is projected.
+  import equinox as eqx
+  k = jax.random.key(5)
+  sn, state = eqx.nn.make_with_state(eqx.nn.SpectralNorm)(
+      eqx.nn.Linear(D, H, key=k), "weight", key=k)
+  params, static = eqx.partition(sn, eqx.is_array)
+
+  def loss(q, x):
+    m = eqx.combine(q, static)
+    y, _ = jax.vmap(lambda xi: m(xi, state), out_axes=(0, None))(x)
+    return jnp.mean(jnp.sum(y ** 2, 1))
+  rows = {r.name: r for r in kfl.describe(loss, params, jnp.ones((N, D)))}
+  assert rows["layer/weight"].kind == "fallback", rows
+  assert "not under stop_gradient" in rows["layer/weight"].notes, rows
