@@ -38,7 +38,10 @@ class Layer:
   gives their curvature per parameter. ``row_uses``: the layer's input has
   no axis that is the batch's example axis (a time-major scan, ``h.reshape(
   -1, d)`` merging batch and time): every row of its input is a use of one
-  pseudo-example ("expand"), whose loss weight is the examples' mean.
+  pseudo-example ("expand"), whose loss weight is the examples' mean;
+  with ``row_map`` the rows reach the loss through ``segment_sum``s whose
+  ids say each row's example (``_rows``; a graph network's nodes and
+  edges), and each row is a use of its own example (``TaggedLoss``).
   ``steps``: per use, the lengths of the enclosing ``lax.scan``s that
   apply it at every step (the parameter a scan constant: time axes of its
   data, outermost first; ``()`` outside any such scan).
@@ -55,6 +58,7 @@ class Layer:
   penalties: tuple = ()
   row_uses: bool = False
   steps: tuple = ()
+  row_map: bool = False
 
   @property
   def kind(self) -> str:
@@ -78,7 +82,9 @@ class Layer:
     its parameters' penalties in the loss."""
     names = dict(zip(self.leaves, self.params))
     rows = ["example axis unknown: every input row a use (expand), loss "
-            "weights spread evenly"] if self.row_uses else []
+            "weights spread evenly"] if self.row_uses and not self.row_map \
+        else ["rows: each a use of its example (segment_sum ids); reduce "
+              "sums a dense layer's rows per example"] if self.row_uses else []
     return "; ".join([n for n in [self.spec.notes] if n] + rows + [
         p.describe(names[p.leaf]) for p in self.penalties])
 
@@ -145,7 +151,7 @@ def _group(uses, leaf_shapes, n_examples):
 
 
 def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude,
-                 penalties=()):
+                 penalties=(), row_steps=None):
   """All layers of the model: ``(layers, excluded_paths)``."""
   excluded = {k for k, p in enumerate(paths) if any(
       p == e or fnmatch.fnmatchcase(p, e) for e in exclude)}
@@ -195,7 +201,8 @@ def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude,
       leaves, guses, row_uses = tuple(kept), [], False
     layer = _layer(spec, leaves, guses, paths, leaf_shapes)
     if row_uses:
-      layer = dataclasses.replace(layer, row_uses=True)
+      layer = dataclasses.replace(layer, row_uses=True, row_map=all(
+          u.uid in (row_steps or {}) for u in guses))
     pens = () if spec.is_fallback else tuple(
         p for p in penalties if p.leaf in leaves)
     layers.append(dataclasses.replace(layer, penalties=pens) if pens

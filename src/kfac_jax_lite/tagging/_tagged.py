@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -18,6 +19,7 @@ from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
 from kfac_jax_lite.tagging import _layers
 from kfac_jax_lite.tagging import _loss_heads
+from kfac_jax_lite.tagging import _rows
 from kfac_jax_lite.tagging import _losses
 from kfac_jax_lite.tagging import _vma
 
@@ -164,9 +166,21 @@ class TaggedLoss:
     #: Which batch leaves hold the examples (``_examples``): the empirical
     #: estimation without a loss reads N from them.
     self.examples = _examples.find(batch, tr.uses)
+    # The examples are the loss's when it has them (a graph network's loss
+    # has one per graph, its layers a row per node or edge); a layer whose
+    # rows are not examples finds its segment ids (``_rows``).
+    n = self.examples.size
+    if tr.losses and tr.losses[0].values_shape:
+      n = tr.losses[0].values_shape[0]
+    self._row_steps = {}
+    for u in tr.uses:
+      if u.examples is not None and u.examples != n and n is not None:
+        steps = _rows.find(tr.closed.jaxpr, u.probe_key, n)
+        if steps and u.out_labels[:1] == (("b", 0),) and not u.levels:
+          self._row_steps[u.uid] = steps
     self.layers, self.excluded = _layers.build_layers(
-        tr.uses, tr.opaque, self.paths, self.leaf_shapes, self.examples.size,
-        tuple(exclude), tr.penalties)
+        tr.uses, tr.opaque, self.paths, self.leaf_shapes, n,
+        tuple(exclude), tr.penalties, self._row_steps)
     self.losses = tuple(tr.losses)
     #: The loss's terms no loss was recognised in (``describe``'s notes).
     self.unrecognised = tuple(tr.unrecognised)
@@ -326,8 +340,10 @@ class TaggedLoss:
     outputs followed by its targets (``aux`` None
     without ``has_aux``)."""
     tr = self._checked_trace(params, batch)
+    rows = {l.use_ids[0]: self._row_steps[l.use_ids[0]]
+            for l in self.layers if l.row_map}
     plan = _interpret.Plan([tr.uses[i] for i in self._active],
-                           [(t.uid, t.key) for t in tr.losses])
+                           [(t.uid, t.key) for t in tr.losses], rows)
     args = jax.tree.leaves((params, batch))
     caps = {}
     outs = _interpret.run(plan, tr.closed.jaxpr, tr.closed.consts, args, (),
@@ -361,6 +377,11 @@ class TaggedLoss:
     ``row_uses``: the sum over its rows)."""
     uses, cots, _ = self._cotangents(layer, cotangents)
     grads = layer.spec.gradients(uses, captures, cots, bool(layer.stack))
+    if layer.row_map:  # Each example's rows summed: its own gradient.
+      axis = 2 if layer.stack else 1
+      ex, n = self._row_examples(layer, captures, grads[0].shape[axis])
+      return tuple(jnp.moveaxis(_rows.per_example(
+          jnp.moveaxis(g, axis, 0), ex, n)[0], 0, axis) for g in grads)
     if layer.row_uses:
       axis = 2 if layer.stack else 1
       grads = tuple(g.sum(axis, keepdims=True) for g in grads)
@@ -384,7 +405,10 @@ class TaggedLoss:
         raise ValueError(f"layer {l.name!r} has no block: call layer_data "
                          "on tagged.with_blocks(...)")
       w = weights
-      if l.row_uses and weights is not None:  # Spread evenly.
+      if l.row_map and l.block.consumes != B.GRADIENTS:
+        out[l.name] = self._mapped_data(l, captures, cotangents, weights)
+        continue
+      if l.row_uses and weights is not None and not l.row_map:  # Evenly.
         w = jnp.mean(weights, keepdims=True)
       if l.block.consumes == B.GRADIENTS:
         out[l.name] = B.LayerData(
@@ -394,6 +418,53 @@ class TaggedLoss:
         w = l.spec.example_weights(w, inputs, bool(l.stack))
         out[l.name] = B.LayerData(inputs=inputs, cotangents=cots, weights=w)
     return out
+
+  def _row_examples(self, layer, captures, rows):
+    """``(ex [rows], n)``: the example of each row of a ``row_map`` layer
+    (-1: none) and the number of examples."""
+    uid = layer.use_ids[0]
+    steps = self._row_steps[uid]
+    return _rows.examples(steps, uid, captures, rows), steps[-1].size
+
+  def _mapped_data(self, layer, captures, cotangents, weights):
+    """``LayerData`` of a ``row_map`` layer: each row a use of its example.
+
+    "expand" (and every kind but a dense layer's "reduce"): the rows are
+    the examples of the block's data, row ``r`` weighted by its example's
+    ``c_i`` (its cotangent is already that example's own: ``∂ℓ_i/∂y_r``),
+    so ``A`` averages the rows by their examples' weights and ``G`` sums
+    ``c_i g_r g_rᵀ`` over the rows: the sums over uses. A dense layer's
+    "reduce" sums each example's rows first (``segment_sum``): its input
+    the mean ``ã_i`` over the example's rows (and shared axes), its
+    cotangent the sum ``ĝ_i``, one position per example; an example with
+    no rows weighs nothing."""
+    uses, cots, _ = self._cotangents(layer, cotangents)
+    stacked = bool(layer.stack)
+    inputs, cts = layer.spec.data(uses, captures, cots, stacked)
+    base = 1 if stacked else 0
+    ex, n = self._row_examples(layer, captures, inputs.shape[base])
+    c = (jnp.full((n,), 1.0 / n, cts.dtype) if weights is None
+         else jnp.asarray(weights))
+    spec = layer.spec
+    if (getattr(layer.block, "weight_sharing", None) == "reduce"
+        and not stacked and getattr(spec, "roles", None)
+        and set(spec.roles) == {"normal"} and spec.kind == "dense"):
+      n_in, n_out = len(spec.in_axes), len(spec.out_axes)
+      in_dims = inputs.shape[inputs.ndim - n_in:]
+      out_dims = cts.shape[cts.ndim - n_out:]
+      a = inputs.reshape(inputs.shape[0], -1, math.prod(in_dims))
+      total, count = _rows.per_example(a.sum(1), ex, n)
+      mean = total / jnp.where(count > 0, count * a.shape[1], 1)[:, None]
+      g = cts.reshape(cts.shape[:2] + (-1, math.prod(out_dims))).sum(2)
+      g_hat = jnp.moveaxis(_rows.per_example(jnp.moveaxis(g, 1, 0), ex, n)[0],
+                           0, 1)
+      return B.LayerData(
+          inputs=mean.reshape((n, 1) + tuple(in_dims)).astype(inputs.dtype),
+          cotangents=g_hat.reshape(g_hat.shape[:2] + (1,) + tuple(out_dims)),
+          weights=jnp.where(count > 0, c, 0))
+    w = jnp.where(ex >= 0, c[jnp.clip(ex, 0, n - 1)], 0)
+    return B.LayerData(inputs=inputs, cotangents=cts,
+                       weights=spec.example_weights(w, inputs, stacked))
 
   def fallback_data(self, param_grads):
     """``{layer name: LayerData}`` of every fallback layer, from
