@@ -180,7 +180,7 @@ class TaggedLoss:
           self._row_steps[u.uid] = steps
     self.layers, self.excluded = _layers.build_layers(
         tr.uses, tr.opaque, self.paths, self.leaf_shapes, n,
-        tuple(exclude), tr.penalties, self._row_steps)
+        tuple(exclude), tr.penalties, self._row_steps, self.examples.size)
     self.losses = tuple(tr.losses)
     #: The loss's terms no loss was recognised in (``describe``'s notes).
     self.unrecognised = tuple(tr.unrecognised)
@@ -411,10 +411,16 @@ class TaggedLoss:
       if l.row_uses and weights is not None and not l.row_map:  # Evenly.
         w = jnp.mean(weights, keepdims=True)
       if l.block.consumes == B.GRADIENTS:
-        out[l.name] = B.LayerData(
-            weights=w, grads=self._gradients(l, captures, cotangents))
+        grads = self._gradients(l, captures, cotangents)
+        if l.spread and weights is not None:
+          w = jnp.full(grads[0].shape[2 if l.stack else 1:][:1],
+                       jnp.mean(weights))
+        out[l.name] = B.LayerData(weights=w, grads=grads)
       else:
         inputs, cots = self._data(l, captures, cotangents)
+        if l.spread and weights is not None:
+          w = jnp.full(inputs.shape[1 if l.stack else 0:][:1],
+                       jnp.mean(weights))
         w = l.spec.example_weights(w, inputs, bool(l.stack))
         out[l.name] = B.LayerData(inputs=inputs, cotangents=cots, weights=w)
     return out
