@@ -405,17 +405,7 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
         b += 1
     in_labels = [("b", j) for j in range(n_idx)] + [("iv", pos)]
     capture, cap_aval, probe_i, probe_aval = ("var", ind), ind.aval, i, out.aval
-    site = self._broadcast_site(out, tuple(out_labels), ctx)
-    ones = [j for j in range(n_idx) if ind.aval.shape[j] == 1]
-    if site is None and ones:
-      # ``pos[jnp.arange(T)[None]]``: ids with unit axes broadcast against
-      # every example by the add: the lookup ``pos[jnp.arange(T)]``.
-      left = [j for j in range(n_idx) if j not in ones]
-      unit = lambda ls: [l if l[0] != "b" else ("u",) if l[1] in ones
-                         else ("b", left.index(l[1])) for l in ls]
-      site = self._broadcast_site(out, tuple(unit(out_labels)), ctx)
-      if site is not None:
-        in_labels = unit(in_labels)
+    site, in_labels = self._lookup_site(out, out_labels, in_labels, ind, ctx)
     if site is not None:
       # Rows looked up without an example axis (``pos[jnp.arange(T)]``) and
       # added to every example: probe the sum, where each example has its

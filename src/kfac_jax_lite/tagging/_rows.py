@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import jax.numpy as jnp
 
 from kfac_jax_lite.tagging import _views
@@ -156,3 +157,43 @@ def per_example(x, ex, n):
   total = jnp.zeros((n,) + x.shape[1:], x.dtype).at[idx].add(x, mode="drop")
   count = jnp.zeros((n,), x.dtype).at[idx].add(1, mode="drop")
   return total, count
+
+
+def mapped_data(layer, steps, uid, captures, inputs, cts, weights):
+  """``LayerData`` of a ``row_map`` layer: each row a use of its example.
+
+  ``inputs``/``cts``: the layer's data (``LayerSpec.data``), its rows in
+  place of examples; ``steps``: the segment ids of its use ``uid``;
+  ``weights``: the examples' ``c_i`` (None: 1/N). "expand" (and every kind
+  but a dense layer's "reduce"): the rows are the examples of the block's
+  data, row ``r`` weighted by its example's ``c_i`` (its cotangent is
+  already that example's own, ``∂ℓ_i/∂y_r``), so ``A`` averages the rows
+  by their examples' weights and ``G`` sums ``c_i g_r g_rᵀ`` over the
+  rows: the sums over uses. A dense layer's "reduce" sums each example's
+  rows first: its input the mean ``ã_i`` over the example's rows (and
+  shared axes), its cotangent the sum ``ĝ_i``, one position per example;
+  an example with no rows weighs nothing."""
+  from kfac_jax_lite import blocks as B
+  stacked = bool(layer.stack)
+  ex = examples(steps, uid, captures, inputs.shape[1 if stacked else 0])
+  n = steps[-1].size
+  c = (jnp.full((n,), 1.0 / n, cts.dtype) if weights is None
+       else jnp.asarray(weights))
+  spec = layer.spec
+  if (getattr(layer.block, "weight_sharing", None) == "reduce"
+      and not stacked and spec.kind == "dense"
+      and set(getattr(spec, "roles", ())) == {"normal"}):
+    in_dims = inputs.shape[inputs.ndim - len(spec.in_axes):]
+    out_dims = cts.shape[cts.ndim - len(spec.out_axes):]
+    a = inputs.reshape(inputs.shape[0], -1, math.prod(in_dims))
+    total, count = per_example(a.sum(1), ex, n)
+    mean = total / jnp.where(count > 0, count * a.shape[1], 1)[:, None]
+    g = cts.reshape(cts.shape[:2] + (-1, math.prod(out_dims))).sum(2)
+    g_hat = jnp.moveaxis(per_example(jnp.moveaxis(g, 1, 0), ex, n)[0], 0, 1)
+    return B.LayerData(
+        inputs=mean.reshape((n, 1) + tuple(in_dims)).astype(inputs.dtype),
+        cotangents=g_hat.reshape(g_hat.shape[:2] + (1,) + tuple(out_dims)),
+        weights=jnp.where(count > 0, c, 0))
+  w = jnp.where(ex >= 0, c[jnp.clip(ex, 0, n - 1)], 0)
+  return B.LayerData(inputs=inputs, cotangents=cts,
+                     weights=spec.example_weights(w, inputs, stacked))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from typing import Any, Callable
 
 import jax
@@ -433,44 +432,12 @@ class TaggedLoss:
     return _rows.examples(steps, uid, captures, rows), steps[-1].size
 
   def _mapped_data(self, layer, captures, cotangents, weights):
-    """``LayerData`` of a ``row_map`` layer: each row a use of its example.
-
-    "expand" (and every kind but a dense layer's "reduce"): the rows are
-    the examples of the block's data, row ``r`` weighted by its example's
-    ``c_i`` (its cotangent is already that example's own: ``∂ℓ_i/∂y_r``),
-    so ``A`` averages the rows by their examples' weights and ``G`` sums
-    ``c_i g_r g_rᵀ`` over the rows: the sums over uses. A dense layer's
-    "reduce" sums each example's rows first (``segment_sum``): its input
-    the mean ``ã_i`` over the example's rows (and shared axes), its
-    cotangent the sum ``ĝ_i``, one position per example; an example with
-    no rows weighs nothing."""
+    """``LayerData`` of a ``row_map`` layer (``_rows.mapped_data``)."""
     uses, cots, _ = self._cotangents(layer, cotangents)
-    stacked = bool(layer.stack)
-    inputs, cts = layer.spec.data(uses, captures, cots, stacked)
-    base = 1 if stacked else 0
-    ex, n = self._row_examples(layer, captures, inputs.shape[base])
-    c = (jnp.full((n,), 1.0 / n, cts.dtype) if weights is None
-         else jnp.asarray(weights))
-    spec = layer.spec
-    if (getattr(layer.block, "weight_sharing", None) == "reduce"
-        and not stacked and getattr(spec, "roles", None)
-        and set(spec.roles) == {"normal"} and spec.kind == "dense"):
-      n_in, n_out = len(spec.in_axes), len(spec.out_axes)
-      in_dims = inputs.shape[inputs.ndim - n_in:]
-      out_dims = cts.shape[cts.ndim - n_out:]
-      a = inputs.reshape(inputs.shape[0], -1, math.prod(in_dims))
-      total, count = _rows.per_example(a.sum(1), ex, n)
-      mean = total / jnp.where(count > 0, count * a.shape[1], 1)[:, None]
-      g = cts.reshape(cts.shape[:2] + (-1, math.prod(out_dims))).sum(2)
-      g_hat = jnp.moveaxis(_rows.per_example(jnp.moveaxis(g, 1, 0), ex, n)[0],
-                           0, 1)
-      return B.LayerData(
-          inputs=mean.reshape((n, 1) + tuple(in_dims)).astype(inputs.dtype),
-          cotangents=g_hat.reshape(g_hat.shape[:2] + (1,) + tuple(out_dims)),
-          weights=jnp.where(count > 0, c, 0))
-    w = jnp.where(ex >= 0, c[jnp.clip(ex, 0, n - 1)], 0)
-    return B.LayerData(inputs=inputs, cotangents=cts,
-                       weights=spec.example_weights(w, inputs, stacked))
+    inputs, cts = layer.spec.data(uses, captures, cots, bool(layer.stack))
+    uid = layer.use_ids[0]
+    return _rows.mapped_data(layer, self._row_steps[uid], uid, captures,
+                             inputs, cts, weights)
 
   def fallback_data(self, param_grads):
     """``{layer name: LayerData}`` of every fallback layer, from
