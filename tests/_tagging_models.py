@@ -491,3 +491,96 @@ def gpt_haiku():
   ids, targets = gpt_batch()
   params = t.init(jax.random.key(0), ids)
   return (lambda p, b: _gpt_xent(t.apply(p, b[0]), b[1])), params, (ids, targets)
+
+
+# ------------------------------------------- rows that are not examples
+# A graph network as jraph models are written: an embedding of node types,
+# an edge layer on sender and receiver features, messages summed per
+# receiving node and a node layer, pooled per graph with
+# ``jax.ops.segment_sum``. Four graphs (3, 2, 1 and 3 nodes; the third
+# has no edges, the fourth is masked out of the loss) and a padding node
+# of no graph (segment id 4, dropped). ``eps``: perturbations added to
+# the layer outputs (the tests' Jacobians); the loss takes none.
+GNN_G, GNN_F, GNN_H, GNN_C, GNN_TYPES = 4, 3, 4, 3, 4
+
+
+def gnn(dtype=jnp.float32):
+  k = _keys(5)
+  f, h = GNN_F, GNN_H
+  p = {"type": _w(k[0], GNN_TYPES, f).astype(dtype),
+       "edge": {"w": _w(k[1], 2 * f, h).astype(dtype),
+                "b": 0.1 * jnp.ones(h, dtype)},
+       "node": {"w": _w(k[2], f + h, h).astype(dtype),
+                "b": 0.1 * jnp.ones(h, dtype)},
+       "read": {"w": _w(k[3], h, GNN_C).astype(dtype),
+                "b": jnp.zeros(GNN_C, dtype)}}
+  senders = jnp.array([0, 1, 2, 0, 3, 4, 6, 7, 8])
+  receivers = jnp.array([1, 2, 0, 2, 4, 3, 7, 8, 6])
+  batch = {"nodes": jax.random.normal(k[4], (10, f), dtype),
+           "types": jnp.array([0, 1, 2, 3, 0, 1, 2, 3, 0, 1]),
+           "senders": senders, "receivers": receivers,
+           "node_graph": jnp.array([0, 0, 0, 1, 1, 2, 3, 3, 3, 4]),
+           "y": jnp.array([0, 2, 1, 1]),
+           "mask": jnp.array([1.0, 1.0, 1.0, 0.0], dtype)}
+
+  def loss(p, b):
+    import kfac_jax_lite as kfl
+    ce = kfl.softmax_cross_entropy_with_integer_labels(gnn_logits(p, b), b["y"])
+    return jnp.sum(ce * b["mask"]) / jnp.sum(b["mask"])
+  return loss, p, batch
+
+
+def gnn_inputs(p, b, eps=None):
+  """The layers' inputs: ``{"edge", "node": [rows, in], "type": ids}``
+  (and the logits under ``"logits"``)."""
+  eps = eps or {}
+  x = p["type"][b["types"]] + eps.get("type", 0)
+  x = b["nodes"] + x
+  e_in = jnp.concatenate([x[b["senders"]], x[b["receivers"]]], -1)
+  m = jnp.tanh(e_in @ p["edge"]["w"] + p["edge"]["b"] + eps.get("edge", 0))
+  agg = jax.ops.segment_sum(m, b["receivers"], num_segments=x.shape[0])
+  n_in = jnp.concatenate([x, agg], -1)
+  hn = jnp.tanh(n_in @ p["node"]["w"] + p["node"]["b"] + eps.get("node", 0))
+  g = jax.ops.segment_sum(hn, b["node_graph"], num_segments=GNN_G)
+  return {"edge": e_in, "node": n_in, "type": b["types"],
+          "logits": g @ p["read"]["w"] + p["read"]["b"]}
+
+
+def gnn_logits(p, b, eps=None):
+  return gnn_inputs(p, b, eps)["logits"]
+
+
+def gnn_eps(p, b):
+  dt = p["edge"]["w"].dtype
+  return {"edge": jnp.zeros((b["senders"].shape[0], GNN_H), dt),
+          "node": jnp.zeros((b["nodes"].shape[0], GNN_H), dt),
+          "type": jnp.zeros((b["nodes"].shape[0], GNN_F), dt)}
+
+
+# A position table looked up with one row for the whole batch
+# (``jnp.arange(T)[None]``, form "none") or broadcast to it
+# (``jnp.broadcast_to``); a causal running mean mixes the positions.
+POS_V, POS_T, POS_D, POS_N = 5, 3, 4, 3
+
+
+def pos_logits(p, ids, eps=0, form="none"):
+  t = ids.shape[1]
+  pos = (jnp.arange(t)[None] if form == "none"
+         else jnp.broadcast_to(jnp.arange(t), ids.shape))
+  x = p["wte"][ids] + p["wpe"][pos] + eps
+  h = jnp.tanh(jnp.cumsum(x, 1) / jnp.arange(1, t + 1)[:, None])
+  return h @ p["head"]
+
+
+def pos_lookup(form, dtype=jnp.float32):
+  k = _keys(4)
+  p = {"wte": _w(k[0], POS_V, POS_D).astype(dtype),
+       "wpe": _w(k[1], POS_T, POS_D).astype(dtype),
+       "head": _w(k[2], POS_D, POS_V).astype(dtype)}
+  ids = jax.random.randint(k[3], (POS_N, POS_T), 0, POS_V)
+
+  def loss(p, b):
+    import kfac_jax_lite as kfl
+    return kfl.softmax_cross_entropy_with_integer_labels(
+        pos_logits(p, b[0], form=form), b[1]).mean()
+  return loss, p, (ids, (ids + 1) % POS_V)

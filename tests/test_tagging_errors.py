@@ -159,4 +159,6 @@ def test_kfac_hands_each_block_its_state_for_its_statistics():
                 blocks={"dense": lambda layer: Stateful(layer.block)})
   state = tx.init(P)
   tx.update(jax.grad(loss)(P, X), state, P, batch=X)
-  assert seen == [jax.tree.structure(B.KroneckerDense((3, 2), has_bias=True).init())]
+  # (tx.init traces one statistics pass too: the first step's refusals.)
+  assert seen and set(seen) == {
+      jax.tree.structure(B.KroneckerDense((3, 2), has_bias=True).init())}

@@ -34,6 +34,7 @@ def test_gpt_has_no_fallback_and_kfac_trains_it(name):
   loss, params, batch = _model(name)
   rows = kfl.describe(loss, params, batch)
   assert all(r.kind != "fallback" for r in rows), str(rows)
+  assert rows.first_step is None, str(rows)   # describe predicts the step
   d = M.GPT_D
   # The fused QKV kernel is one dense block over its 3·d outputs; both
   # embeddings (tied ones included) and every LayerNorm keep their blocks.

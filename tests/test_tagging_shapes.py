@@ -148,9 +148,13 @@ def test_time_major_scan_and_merged_axes_get_kronecker_blocks():
       ("wo", "dense", "KroneckerDense", ("wo", "bo")),
       ("wh", "dense", "KroneckerDense", ("wh",)),
       ("wi", "dense", "KroneckerDense", ("wi",))], str(rows)
-  assert all("every input row a use (expand)" in r.notes for r in rows)
-  assert all(r.sharing == "expand (rows)" for r in rows)
-  assert all(l.row_uses for l in _rnn_tagged().layers)
+  # The loss's examples are its T·N tokens: the output layer's rows are
+  # they; the recurrent layers' inputs [N, ·] inside the scan are not.
+  rows_layers = [r.name != "wo" for r in rows]
+  assert [("every input row a use (expand)" in r.notes) for r in rows] == \
+      rows_layers
+  assert [r.sharing == "expand (rows)" for r in rows] == rows_layers
+  assert [l.row_uses for l in _rnn_tagged().layers] == rows_layers
 
 
 def test_haiku_dynamic_unroll_time_major():
@@ -213,10 +217,12 @@ def test_row_uses_statistics_against_brute_force(dtype):
   per_ex = jax.jit(tl.per_example_grads)(
       caps, {k: v * T for k, v in cts.items()})
   full = _flat(jax.grad(_rnn_loss)(_rnn_params(), _rnn_batch()))
-  for path, gr in per_ex.items():   # N = 1: T·∇L, the sum over examples.
-    assert gr.shape[0] == 1, path
-    np.testing.assert_allclose(gr[0], T * full[path], rtol=1e-4, atol=1e-6,
-                               err_msg=path)
+  for path, gr in per_ex.items():   # Summed over examples: T·∇L.
+    # Rows of no example axis: one pseudo-example (N = 1); the output
+    # layer's rows are the loss's T·N examples.
+    assert gr.shape[0] == (T * N if path in ("wo", "bo") else 1), path
+    np.testing.assert_allclose(gr.sum(0), T * full[path], rtol=1e-4,
+                               atol=1e-6, err_msg=path)
 
 
 def test_kfac_trains_time_major_rnn():

@@ -29,7 +29,8 @@ def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):
 def check_same_layers(expected, got):
   """A detection for another batch must give the example batch's blocks
   (the state holds theirs)."""
-  key = lambda t: [(l.name, l.params, l.spec, l.block, l.row_uses)
+  key = lambda t: [(l.name, l.params, l.spec, l.block, l.row_uses, l.row_map,
+                    l.spread)
                    for l in t.layers]
   if key(got) != key(expected):
     raise ValueError(

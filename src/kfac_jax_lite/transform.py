@@ -71,6 +71,7 @@ import optax
 
 from kfac_jax_lite.blocks import Stacked
 from kfac_jax_lite import _detection
+from kfac_jax_lite import _first_step
 from kfac_jax_lite import _health_state
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
@@ -461,6 +462,12 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
   def init_fn(params):
     # The first point with params to trace: refuse here, not at a step.
     estimators.check_has_loss(tagged_for(params), estimation, "kfl.kfac")
+    refused = _first_step.refusal(
+        tagged_for(params), params, estimators.stats_slice(
+            example_batch, stats_fraction), estimation, num_samples)
+    if refused:
+      raise ValueError("kfl.kfac: the first step would fail on the example "
+                       f"batch (see kfl.describe): {refused}")
     leaves = jax.tree.leaves(params)
     zero = lambda: jnp.zeros((), jnp.int32)  # Own buffers: donatable.
     return KfacState(

@@ -148,4 +148,5 @@ def _series(layer, option, default, where):
                      f"{layer.name!r} has {len(steps)} uses (shared or tied "
                      "weights)")
   return B.series_block(default, option, steps[0][0],
-                        time_axis=1 if layer.row_uses else 0, where=where)
+                        time_axis=1 if layer.row_uses and not layer.row_map
+                        else 0, where=where)

@@ -1,6 +1,7 @@
 """``describe``: the blocks of a model as a list of rows that prints as a table."""
 from __future__ import annotations
 
+from kfac_jax_lite import _first_step
 from kfac_jax_lite import blocks as B
 
 
@@ -41,11 +42,16 @@ class Table(list):
     out.append(f"{len(self)} blocks, {total} bytes of state "
                f"({total / 2**20:.1f} MiB)")
     out += self.loss_lines
+    if self.first_step:
+      out.append(f"first step: refused: {self.first_step}")
     return "\n".join(out)
 
   #: One line per registered loss found in the trace, or one saying none was
   #: found and what that means for each estimation (set by ``rows``).
   loss_lines: tuple = ()
+  #: The error the first K-FAC step on the example batch would raise (what
+  #: ``kfl.kfac`` refuses at ``tx.init``), or None (set by ``describe``).
+  first_step = None
 
   @property
   def total_bytes(self):
@@ -134,7 +140,9 @@ def describe(loss_fn, params, batch, *, has_aux=False, exclude=(),
   ``kfl.kfac``). Prints as a table; fallbacks carry their reason; the last
   lines say which loss was found (registered, or recognised in the jaxpr:
   its form, reduction and the layers of its outputs) or that none was, and
-  then which batch leaves hold the examples. ``estimation``: when given,
+  then which batch leaves hold the examples, and the error the first
+  K-FAC step would raise, if any (``Table.first_step``, which
+  ``kfl.kfac`` raises at ``tx.init``). ``estimation``: when given,
   a ``ValueError`` if ``kfl.kfac`` with it would refuse this loss (as
   ``kfl.value_grad_and_stats`` does when built)."""
   from kfac_jax_lite import estimators
@@ -144,5 +152,10 @@ def describe(loss_fn, params, batch, *, has_aux=False, exclude=(),
   if estimation is not None:
     estimators.check_estimation(estimation)
     estimators.check_has_loss(tagged, estimation, "kfl.describe")
-  return rows(tagged.with_blocks(blocks, damping_mode=damping_mode,
-                                 weight_sharing=weight_sharing))
+  tagged = tagged.with_blocks(blocks, damping_mode=damping_mode,
+                              weight_sharing=weight_sharing)
+  table = rows(tagged)
+  table.first_step = _first_step.refusal(
+      tagged, params, batch,
+      estimation or ("fisher" if tagged.losses else "empirical"))
+  return table

@@ -19,17 +19,25 @@ from jax import lax
 
 from kfac_jax_lite.tagging import _analysis
 from kfac_jax_lite.tagging import _scaled
+from kfac_jax_lite.tagging import _rows
 from kfac_jax_lite.tagging import _vma
 
 
 class Plan:
   """Where to capture and probe, for the active uses of one trace."""
 
-  def __init__(self, uses, losses=()):
+  def __init__(self, uses, losses=(), rows=None):
     self.uses = {u.uid: u for u in uses}
     self.captures, self.probes, self.inside = {}, {}, {}
     # Stop-gradient scales of kernels (``_scaled``): read where multiplied.
     self.saves, self.saved = {}, {}
+    # Segment ids a layer's rows go through (``_rows``): ``{key: [slot]}``.
+    self.rows = {}
+    for uid, steps in (rows or {}).items():
+      for j, step in enumerate(steps):
+        self.rows.setdefault(step.key, []).append(_rows.slot(uid, j))
+        for n in range(1, len(step.key), 2):
+          self.inside.setdefault(step.key[:n], set()).add(uid)
     # Registered losses: the tag's annotations are captured and its output
     # (the per-element loss values) is probed, under a negative uid.
     self.losses = {}
@@ -108,6 +116,8 @@ def run(plan, jaxpr, consts, args, prefix, probes, caps):
     invals = [read(v) for v in eqn.invars]
     if key in plan.saves:
       plan.saved[key] = invals[plan.saves[key]]
+    for s in plan.rows.get(key, ()):
+      caps[s] = invals[1]  # A segment_sum's ids [R, 1].
     if key in plan.inside:
       outs = _nested(plan, eqn, invals, key, probes, caps)
     else:

@@ -38,7 +38,13 @@ class Layer:
   gives their curvature per parameter. ``row_uses``: the layer's input has
   no axis that is the batch's example axis (a time-major scan, ``h.reshape(
   -1, d)`` merging batch and time): every row of its input is a use of one
-  pseudo-example ("expand"), whose loss weight is the examples' mean.
+  pseudo-example ("expand"), whose loss weight is the examples' mean;
+  with ``row_map`` the rows reach the loss through ``segment_sum``s whose
+  ids say each row's example (``_rows``; a graph network's nodes and
+  edges), and each row is a use of its own example (``TaggedLoss``).
+  ``spread``: the input's example axis is the batch's but the loss has a
+  multiple of its examples (tokens of ``logits.reshape(-1, V)``): the
+  layer keeps its examples, each weighted by the loss elements' mean.
   ``steps``: per use, the lengths of the enclosing ``lax.scan``s that
   apply it at every step (the parameter a scan constant: time axes of its
   data, outermost first; ``()`` outside any such scan).
@@ -55,6 +61,8 @@ class Layer:
   penalties: tuple = ()
   row_uses: bool = False
   steps: tuple = ()
+  row_map: bool = False
+  spread: bool = False
 
   @property
   def kind(self) -> str:
@@ -77,8 +85,12 @@ class Layer:
     """The fallback reason, or a remark on the layer (tied uses), and
     its parameters' penalties in the loss."""
     names = dict(zip(self.leaves, self.params))
-    rows = ["example axis unknown: every input row a use (expand), loss "
-            "weights spread evenly"] if self.row_uses else []
+    rows = ["the loss has a multiple of its examples: loss weights spread "
+            "evenly"] if self.spread else []
+    rows += ["example axis unknown: every input row a use (expand), loss "
+            "weights spread evenly"] if self.row_uses and not self.row_map \
+        else ["rows: each a use of its example (segment_sum ids); reduce "
+              "sums a dense layer's rows per example"] if self.row_uses else []
     return "; ".join([n for n in [self.spec.notes] if n] + rows + [
         p.describe(names[p.leaf]) for p in self.penalties])
 
@@ -116,11 +128,14 @@ def _leaves_of(use):
   return [v.leaf for v in use.roles.values()]
 
 
-def _group(uses, leaf_shapes, n_examples):
-  """``(grouping, row_uses)`` of a group of uses; raises ``Unsupported``.
+def _group(uses, leaf_shapes, n_examples, batch_n=None):
+  """``(grouping, row_uses, spread)`` of a group of uses; raises
+  ``Unsupported``.
 
-  Uses whose example axis is not the batch's (a size other than
-  ``n_examples``) make a layer of ``row_uses`` (see ``Layer``).
+  Uses whose example axis is not the loss's (a size other than
+  ``n_examples``) make a layer of ``row_uses`` (see ``Layer``), unless
+  their rows are the batch's ``batch_n`` examples and the loss has a
+  multiple of them (``spread``: a loss over ``logits.reshape(-1, V)``).
   """
   stacked = {v.stacked for u in uses for v in u.roles.values()}
   if len(stacked) != 1:
@@ -134,6 +149,9 @@ def _group(uses, leaf_shapes, n_examples):
                         f"use (in {u.where})")
   sizes = {u.examples for u in uses}
   row_uses = n_examples is not None and sizes != {n_examples}
+  spread = bool(row_uses and batch_n and sizes == {batch_n}
+                and n_examples % batch_n == 0)
+  row_uses = row_uses and not spread
   if row_uses and len(sizes) > 1:
     raise Unsupported("uses whose example axes differ in size and are not "
                       "the batch's")
@@ -141,11 +159,11 @@ def _group(uses, leaf_shapes, n_examples):
     raise Unsupported("cannot identify the example axis of its conv use (in "
                       f"{uses[0].where}): the batch axis is "
                       f"{uses[0].examples}, not {n_examples}")
-  return _kinds.group(uses, leaf_shapes, len(stacked)), row_uses
+  return _kinds.group(uses, leaf_shapes, len(stacked)), row_uses, spread
 
 
 def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude,
-                 penalties=()):
+                 penalties=(), row_steps=None, batch_n=None):
   """All layers of the model: ``(layers, excluded_paths)``."""
   excluded = {k for k, p in enumerate(paths) if any(
       p == e or fnmatch.fnmatchcase(p, e) for e in exclude)}
@@ -187,15 +205,19 @@ def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude,
             r for k in members for r in reasons.get(k, ()))))
       if not guses:
         raise Unsupported("no layer pattern uses it")
-      (spec, leaves), row_uses = _group(guses, leaf_shapes, n_examples)
+      (spec, leaves), row_uses, spread = _group(guses, leaf_shapes,
+                                                n_examples, batch_n)
       if set(leaves) & excluded:
         raise Unsupported("its layer's other parameters are excluded")
     except Unsupported as e:
       spec = FallbackSpec(tuple(tuple(leaf_shapes[k]) for k in kept), str(e))
-      leaves, guses, row_uses = tuple(kept), [], False
+      leaves, guses, row_uses, spread = tuple(kept), [], False, False
     layer = _layer(spec, leaves, guses, paths, leaf_shapes)
-    if row_uses:
-      layer = dataclasses.replace(layer, row_uses=True)
+    if row_uses or spread:
+      layer = dataclasses.replace(layer, row_uses=row_uses, spread=spread,
+                                  row_map=row_uses and all(
+                                      u.uid in (row_steps or {})
+                                      for u in guses))
     pens = () if spec.is_fallback else tuple(
         p for p in penalties if p.leaf in leaves)
     layers.append(dataclasses.replace(layer, penalties=pens) if pens

@@ -232,7 +232,7 @@ class ViewMatching:
         b += 1
     in_labels = [("b", j) for j in range(n_idx)] + [("iv", pos)]
     capture, cap_aval, probe_i, probe_aval = ("var", ind), ind.aval, i, out.aval
-    site = self._broadcast_site(out, tuple(out_labels), ctx)
+    site, in_labels = self._lookup_site(out, out_labels, in_labels, ind, ctx)
     if site is not None:
       # Rows looked up without an example axis (``pos[jnp.arange(T)]``) and
       # added to every example: probe the sum, where each example has its
@@ -250,6 +250,22 @@ class ViewMatching:
                  probe_i, probe_aval, in_labels, out_labels,
                  dict(vocab_size=shape[va], dim=shape[1 - va], id_pos=pos))
     return None
+
+  def _lookup_site(self, out, out_labels, in_labels, ind, ctx):
+    """``(site, in_labels)``: ``_broadcast_site`` of a lookup's output
+    ``out``; for ids with unit axes (``pos[jnp.arange(T)[None]]``) not
+    found as they are, with those axes taken as broadcast ones (the lookup
+    ``pos[jnp.arange(T)]``), the ids' labels relabelled to match."""
+    site = self._broadcast_site(out, tuple(out_labels), ctx)
+    n_idx = len(ind.aval.shape) - 1
+    ones = [j for j in range(n_idx) if ind.aval.shape[j] == 1]
+    if site is not None or not ones:
+      return site, in_labels
+    left = [j for j in range(n_idx) if j not in ones]
+    unit = lambda ls: [l if l[0] != "b" else ("u",) if l[1] in ones
+                       else ("b", left.index(l[1])) for l in ls]
+    site = self._broadcast_site(out, tuple(unit(out_labels)), ctx)
+    return site, (unit(in_labels) if site is not None else in_labels)
 
   def _sliced_rows(self, i, eqn, views, ctx):
     """``x + pos[lo:hi]``: rows of a 2-D table sliced along its first axis

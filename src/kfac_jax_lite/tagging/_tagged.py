@@ -19,6 +19,7 @@ from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
 from kfac_jax_lite.tagging import _layers
 from kfac_jax_lite.tagging import _loss_heads
+from kfac_jax_lite.tagging import _rows
 from kfac_jax_lite.tagging import _losses
 from kfac_jax_lite.tagging import _vma
 
@@ -183,9 +184,23 @@ class TaggedLoss:
       if any(a not in (None, 0) for a in axes):
         tr = self._locate_examples(tr, params, batch, axes)
     self._uses = tr.uses
+    # The examples are the loss's when it has them (a graph network's loss
+    # has one per graph, its layers a row per node or edge); a layer whose
+    # rows are not examples finds its segment ids (``_rows``).
+    # With ``example_axis=`` the examples are the axes given (the losses'
+    # values keep their own layout until relabelled).
+    n = self.examples.size
+    if axes is None and tr.losses and tr.losses[0].values_shape:
+      n = tr.losses[0].values_shape[0]
+    self._row_steps = {}
+    for u in tr.uses:
+      if u.examples is not None and u.examples != n and n is not None:
+        steps = _rows.find(tr.closed.jaxpr, u.probe_key, n)
+        if steps and u.out_labels[:1] == (("b", 0),) and not u.levels:
+          self._row_steps[u.uid] = steps
     self.layers, self.excluded = _layers.build_layers(
-        tr.uses, tr.opaque, self.paths, self.leaf_shapes, self.examples.size,
-        tuple(exclude), tr.penalties)
+        tr.uses, tr.opaque, self.paths, self.leaf_shapes, n,
+        tuple(exclude), tr.penalties, self._row_steps, self.examples.size)
     self.losses = tuple(tr.losses)
     #: The loss's terms no loss was recognised in (``describe``'s notes).
     self.unrecognised = tuple(tr.unrecognised)
@@ -420,8 +435,10 @@ class TaggedLoss:
     outputs followed by its targets (``aux`` None
     without ``has_aux``)."""
     tr = self._checked_trace(params, batch)
+    rows = {l.use_ids[0]: self._row_steps[l.use_ids[0]]
+            for l in self.layers if l.row_map}
     plan = _interpret.Plan([tr.uses[i] for i in self._active],
-                           [(t.uid, t.key) for t in tr.losses])
+                           [(t.uid, t.key) for t in tr.losses], rows)
     args = jax.tree.leaves((params, batch))
     caps = {}
     outs = _interpret.run(plan, tr.closed.jaxpr, tr.closed.consts, args, (),
@@ -455,6 +472,11 @@ class TaggedLoss:
     ``row_uses``: the sum over its rows)."""
     uses, cots, _ = self._cotangents(layer, cotangents)
     grads = layer.spec.gradients(uses, captures, cots, bool(layer.stack))
+    if layer.row_map:  # Each example's rows summed: its own gradient.
+      axis = 2 if layer.stack else 1
+      ex, n = self._row_examples(layer, captures, grads[0].shape[axis])
+      return tuple(jnp.moveaxis(_rows.per_example(
+          jnp.moveaxis(g, axis, 0), ex, n)[0], 0, axis) for g in grads)
     if layer.row_uses:
       axis = 2 if layer.stack else 1
       grads = tuple(g.sum(axis, keepdims=True) for g in grads)
@@ -478,16 +500,40 @@ class TaggedLoss:
         raise ValueError(f"layer {l.name!r} has no block: call layer_data "
                          "on tagged.with_blocks(...)")
       w = weights
-      if l.row_uses and weights is not None:  # Spread evenly.
+      if l.row_map and l.block.consumes != B.GRADIENTS:
+        out[l.name] = self._mapped_data(l, captures, cotangents, weights)
+        continue
+      if l.row_uses and weights is not None and not l.row_map:  # Evenly.
         w = jnp.mean(weights, keepdims=True)
       if l.block.consumes == B.GRADIENTS:
-        out[l.name] = B.LayerData(
-            weights=w, grads=self._gradients(l, captures, cotangents))
+        grads = self._gradients(l, captures, cotangents)
+        if l.spread and weights is not None:
+          w = jnp.full(grads[0].shape[2 if l.stack else 1:][:1],
+                       jnp.mean(weights))
+        out[l.name] = B.LayerData(weights=w, grads=grads)
       else:
         inputs, cots = self._data(l, captures, cotangents)
+        if l.spread and weights is not None:
+          w = jnp.full(inputs.shape[1 if l.stack else 0:][:1],
+                       jnp.mean(weights))
         w = l.spec.example_weights(w, inputs, bool(l.stack))
         out[l.name] = B.LayerData(inputs=inputs, cotangents=cots, weights=w)
     return out
+
+  def _row_examples(self, layer, captures, rows):
+    """``(ex [rows], n)``: the example of each row of a ``row_map`` layer
+    (-1: none) and the number of examples."""
+    uid = layer.use_ids[0]
+    steps = self._row_steps[uid]
+    return _rows.examples(steps, uid, captures, rows), steps[-1].size
+
+  def _mapped_data(self, layer, captures, cotangents, weights):
+    """``LayerData`` of a ``row_map`` layer (``_rows.mapped_data``)."""
+    uses, cots, _ = self._cotangents(layer, cotangents)
+    inputs, cts = layer.spec.data(uses, captures, cots, bool(layer.stack))
+    uid = layer.use_ids[0]
+    return _rows.mapped_data(layer, self._row_steps[uid], uid, captures,
+                             inputs, cts, weights)
 
   def fallback_data(self, param_grads):
     """``{layer name: LayerData}`` of every fallback layer, from
