@@ -149,8 +149,12 @@ def orthogonal(rng, n):
 
 
 def power_step(c, q_old):
-  q, r = np.linalg.qr(c @ q_old)
-  return q * np.where(np.diag(r) < 0, -1.0, 1.0)
+  """SOAP's warm start: ``qr(C Q_old)`` with Q_old's columns in decreasing
+  order of ``diag(Q_oldᵀ C Q_old)``, ``diag(R) ≥ 0``, the order restored."""
+  order = np.argsort(-np.einsum("ij,ik,kj->j", q_old, c, q_old))
+  q, r = np.linalg.qr(c @ q_old[:, order])
+  q = q * np.where(np.diag(r) < 0, -1.0, 1.0)
+  return q[:, np.argsort(order)]
 
 
 def reference(mats, factors, refresh_every, nu_rebase="project",

@@ -41,9 +41,10 @@ and a layer without a basis yet gets one at the first update whose factors
 have statistics (step 0), so step 0 already runs in the basis of its own
 statistics. ``refresh="eigh"`` decomposes each factor exactly;
 ``refresh="power"`` warm-starts from the previous basis as SOAP does: one
-power-iteration step ``C Q_old`` and a QR (``Q_new = qr(C Q_old).Q``, its
-columns' signs chosen so that ``diag(R) ≥ 0``: a basis that is already
-exact maps to itself). The first basis of a layer is always an ``eigh``.
+power-iteration step ``C Q_old`` and a QR (``Q_new = qr(C Q_old).Q``, the
+columns taken in decreasing order of ``diag(Q_oldᵀ C Q_old)`` and put
+back in their old order afterwards, their signs chosen so that
+``diag(R) ≥ 0``: a basis that is already exact maps to itself). The first basis of a layer is always an ``eigh``.
 ``benchmarks/eigenbasis_refresh.py`` measures how far ``"power"`` stays
 from ``"eigh"`` over refreshes.
 
@@ -142,12 +143,24 @@ def from_basis(m, qa, qg):
 
 
 def power_step(c, q_old):
-  """One warm-started power-iteration step: ``Q`` of ``qr(C Q_old)``, its
-  columns' signs such that ``diag(R) ≥ 0`` (an exact eigenbasis of a
-  positive definite ``C`` maps to itself), and ``diag(Qᵀ C Q)``."""
-  q, r = jnp.linalg.qr(c @ q_old)
+  """One warm-started power-iteration step, as SOAP's: the columns of
+  ``Q_old`` ordered by decreasing ``diag(Q_oldᵀ C Q_old)``, then ``Q`` of
+  ``qr(C Q_old)`` with its columns' signs such that ``diag(R) ≥ 0`` (an
+  exact eigenbasis of a positive definite ``C`` maps to itself), put back
+  in ``Q_old``'s column order (column ``j`` of the new basis continues
+  column ``j`` of the old one). Returns ``(diag(Qᵀ C Q), Q)``.
+
+  The order matters: QR orthogonalises the columns in turn, so the first
+  ones converge to the dominant eigenvectors; fed ``eigh``'s ascending
+  order, it would pull the smallest eigenvector towards the largest
+  (``benchmarks/eigenbasis_refresh.py`` measured a basis worse than
+  keeping the old one before this ordering)."""
+  est = jnp.einsum("...ij,...ik,...kj->...j", q_old, c, q_old)
+  order = jnp.argsort(-est, axis=-1)
+  q, r = jnp.linalg.qr(c @ jnp.take_along_axis(q_old, order[..., None, :], -1))
   sign = jnp.where(jnp.diagonal(r, axis1=-2, axis2=-1) < 0, -1, 1).astype(q.dtype)
-  q = q * sign[..., None, :]
+  q = jnp.take_along_axis(q * sign[..., None, :],
+                          jnp.argsort(order, axis=-1)[..., None, :], -1)
   return jnp.einsum("...ij,...ik,...kj->...j", q, c, q), q
 
 
