@@ -19,9 +19,9 @@ and the bias, columns the outputs; ``blocks._layout``), with
 with ``m̂ = m/(1−b1ᵗ)``, ``v̂ = v/(1−b2ᵗ)`` as in ``optax.scale_by_adam``
 (same order of operations: with identity bases this *is* ``optax.adam``'s
 scaling). An embedding's input factor is diagonal: its basis is the
-identity (only ``Q_G`` rotates). Every other parameter (scale/shift,
-fallbacks, excluded leaves, layers stacked under ``lax.scan``, blocks
-overridden to non-Kronecker ones) gets plain Adam with the same ``b1``,
+identity (only ``Q_G`` rotates). A layer stacked under ``lax.scan`` has
+one basis and one pair of moments per slice. Every other parameter (scale/shift,
+fallbacks, excluded leaves, blocks overridden to non-Kronecker ones) gets plain Adam with the same ``b1``,
 ``b2``, ``eps``.
 
 Bases (``basis``):
@@ -106,10 +106,22 @@ class EigenAdamState(NamedTuple):
   nu: tuple  # per parameter leaf: plain Adam's v (shape (0,) if rotated).
 
 
+def inner_block(block):
+  """The block of one slice: ``block.block`` for a ``Stacked`` one."""
+  return block.block if isinstance(block, B.Stacked) else block
+
+
+def per_slice(layer, fn):
+  """``fn`` on each slice of a stacked layer's arrays (``jax.vmap`` over
+  their leading axis), or ``fn`` itself for a layer that is not stacked."""
+  return jax.vmap(fn) if isinstance(layer.block, B.Stacked) else fn
+
+
 def is_rotated(layer) -> bool:
-  """Whether ``layer`` runs Adam in an eigenbasis: its block is a
-  (non-stacked) Kronecker block (dense, conv, embedding)."""
-  return isinstance(layer.block, B.KroneckerBlock)
+  """Whether ``layer`` runs Adam in an eigenbasis: its block (or, stacked
+  under ``lax.scan``, each slice's) is a Kronecker block (dense, conv,
+  embedding)."""
+  return isinstance(inner_block(layer.block), B.KroneckerBlock)
 
 
 def _is_factor(x):
@@ -298,9 +310,11 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
     covered = {i for l in layers for i in l.leaves}
     states = {l.name: l.block.init(transform.float_dtype(
         [leaves[i] for i in l.leaves])) for l in layers}
-    moment = lambda l: jnp.zeros(
-        (l.block.layout.groups, l.block.layout.a, l.block.layout.b),
-        states[l.name].g.cov.dtype)
+    def moment(l):
+      lay = inner_block(l.block).layout
+      stack = (l.block.n,) if isinstance(l.block, B.Stacked) else ()
+      return jnp.zeros(stack + (lay.groups, lay.a, lay.b),
+                       states[l.name].g.cov.dtype)
     plain = lambda: tuple(jnp.zeros((0,), x.dtype) if i in covered
                           else jnp.zeros_like(x) for i, x in enumerate(leaves))
     return EigenAdamState(
@@ -333,7 +347,9 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
 
     # 1. Statistics into the factors.
     if basis == "shampoo":
-      new = {l.name: shampoo_stats(l.block, vectors[l.name]) for l in layers}
+      new = {l.name: per_slice(l, lambda v, b=inner_block(l.block):
+                               shampoo_stats(b, v))(vectors[l.name])
+             for l in layers}
       if axis_name is not None:
         new = jax.lax.pmean(new, axis_name)
     elif stats is not None:
@@ -366,11 +382,11 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
       out = ({}, {}, {})
       for l in layers:
         old = states[l.name]
-        fresh = jax.tree.map(
-            lambda f: refresh_factor(f, state.count, refresh), old,
-            is_leaf=_is_factor)
-        m, v = rebase_moments(mu_b[l.name], nu_b[l.name], old, fresh,
-                              nu_rebase)
+        fresh = per_slice(l, lambda st: jax.tree.map(
+            lambda f: refresh_factor(f, state.count, refresh), st,
+            is_leaf=_is_factor))(old)
+        m, v = per_slice(l, lambda m, v, o, n: rebase_moments(
+            m, v, o, n, nu_rebase))(mu_b[l.name], nu_b[l.name], old, fresh)
         need = needs[l.name]
         pick = lambda n, o: jax.tree.map(
             lambda a, b: jnp.where(need, a, b), n, o)
@@ -389,14 +405,15 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
     out = list(leaves)
     mu, nu = list(state.mu), list(state.nu)
     for l in layers:
-      st = states[l.name]
-      qa, qg = _basis(st.a), _basis(st.g)
-      mat = l.block.layout.to_mat(vectors[l.name])
-      dtype = mu_b[l.name].dtype
-      g = to_basis(mat.astype(dtype), qa, qg)
+      lay, dtype = inner_block(l.block).layout, mu_b[l.name].dtype
+      g = per_slice(l, lambda st, v: to_basis(
+          lay.to_mat(v).astype(dtype), _basis(st.a), _basis(st.g)))(
+              states[l.name], vectors[l.name])
       u, mu_b[l.name], nu_b[l.name] = adam(g, mu_b[l.name], nu_b[l.name],
                                            count_inc)
-      for i, x in zip(l.leaves, l.block.layout.from_mat(from_basis(u, qa, qg))):
+      u = per_slice(l, lambda st, u: lay.from_mat(from_basis(
+          u, _basis(st.a), _basis(st.g))))(states[l.name], u)
+      for i, x in zip(l.leaves, u):
         out[i] = x.reshape(leaves[i].shape).astype(leaves[i].dtype)
     covered = {i for l in layers for i in l.leaves}
     for i, g in enumerate(leaves):
