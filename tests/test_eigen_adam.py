@@ -335,6 +335,19 @@ def test_trains_with_batch_and_both_bases():
       assert int(state[0].count) == 30
 
 
+def test_batches_of_another_size_and_bad_batches():
+  with x64_mode(True):
+    params, batch = dense_problem(n=8)
+    ea = kfl.eigen_adam(dense_loss, batch, estimation="exact")
+    state = ea.init(params)
+    small = jax.tree.map(lambda x: x[:5], batch)
+    u, state = ea.update(jax.grad(dense_loss)(params, small), state, params,
+                         batch=small)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(u))
+    with pytest.raises(ValueError, match="structure"):
+      ea.update(params, state, params, batch={"x": batch["x"]})
+
+
 def test_checkpoint_round_trip_resumes_bit_for_bit():
   with x64_mode(True):
     params, batch = dense_problem()

@@ -359,6 +359,10 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
         raise ValueError(f"batch structure {jax.tree.structure(batch)} "
                          f"differs from the example batch's "
                          f"{tagged.batch_treedef}")
+      # This batch's own trace (another batch size), checked to give the
+      # example batch's layers, as kfl.kfac does.
+      tagged = tagged_for(params, batch)
+      estimators.stats_batch_size(batch, stats_fraction, "eigen_adam.update")
       if axis_name is not None:
         stats_key = jax.random.fold_in(stats_key,
                                        jax.lax.axis_index(axis_name))
