@@ -6,7 +6,7 @@
 
 SOAP (Vyas et al. 2024) runs Adam in the eigenbasis of Shampoo's
 preconditioner; EKFAC (George et al. 2018) rescales K-FAC's eigenbasis by
-second moments measured there. This transform is the first with the second's
+second moments measured there. This transform runs Adam in the second's
 basis: for every layer with a Kronecker block (dense, conv, embedding), its
 parameters as the block's ``[groups, a, b]`` matrices ``M`` (rows the inputs
 and the bias, columns the outputs; ``blocks._layout``), with
@@ -20,9 +20,9 @@ with ``m̂ = m/(1−b1ᵗ)``, ``v̂ = v/(1−b2ᵗ)`` as in ``optax.scale_by_ada
 (same order of operations: with identity bases this *is* ``optax.adam``'s
 scaling). An embedding's input factor is diagonal: its basis is the
 identity (only ``Q_G`` rotates). A layer stacked under ``lax.scan`` has
-one basis and one pair of moments per slice. Every other parameter (scale/shift,
-fallbacks, excluded leaves, blocks overridden to non-Kronecker ones) gets plain Adam with the same ``b1``,
-``b2``, ``eps``.
+one basis and one pair of moments per slice. Every other parameter
+(scale/shift, fallbacks, excluded leaves, blocks overridden to
+non-Kronecker ones) gets plain Adam with the same ``b1``, ``b2``, ``eps``.
 
 Bases (``basis``):
 
@@ -44,9 +44,12 @@ statistics. ``refresh="eigh"`` decomposes each factor exactly;
 power-iteration step ``C Q_old`` and a QR (``Q_new = qr(C Q_old).Q``, the
 columns taken in decreasing order of ``diag(Q_oldᵀ C Q_old)`` and put
 back in their old order afterwards, their signs chosen so that
-``diag(R) ≥ 0``: a basis that is already exact maps to itself). The first basis of a layer is always an ``eigh``.
+``diag(R) ≥ 0``: a basis that is already exact maps to itself). The
+first basis of a layer is always an ``eigh``.
 ``benchmarks/eigenbasis_refresh.py`` measures how far ``"power"`` stays
-from ``"eigh"`` over refreshes.
+from ``"eigh"`` over refreshes (on a digits autoencoder, 4-9% of K-FAC's
+factors off the diagonal of ``QᵀCQ`` against 64% for a basis never
+refreshed; 0.1-0.2% of Shampoo's).
 
 Moments at a refresh (``R_A = Q_A,oldᵀ Q_A,new``, ``R_G`` likewise): the
 first moment is a vector in the basis, so it is carried over exactly,
@@ -63,7 +66,9 @@ whenever two eigenvalues cross (``eigh`` sorts them), where keeping ``v``
 in place would pair a large second moment with a small-gradient direction
 and the reverse (a step up to ``√(v_large/v_small)`` times too long).
 ``nu_rebase="keep"`` is SOAP's choice (``v`` left as it is, right when the
-basis barely moves: ``R ≈ I``).
+basis barely moves: ``R ≈ I``; with ``refresh="power"``, which keeps each
+column's place, it is what SOAP does, whose power step permutes ``v`` with
+the columns it sorts).
 
 State (``EigenAdamState``): the step count, the sampling key, per rotated
 layer its Kronecker block state (``A``, ``G`` as ``FactorState``s whose
