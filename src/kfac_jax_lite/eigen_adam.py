@@ -33,13 +33,20 @@ Bases (``basis``):
 * ``"shampoo"`` — SOAP's: ``A`` the EMA of ``M Mᵀ`` and ``G`` the EMA of
   ``Mᵀ M`` of the mini-batch gradient matrix (same ``cov_decay``); no
   ``batch=`` is needed. (The loss is still traced once, at ``init``, to find
-  the layers.)
+  the layers.) In SOAP's order: each step runs Adam in the bases of the
+  *earlier* gradients, then folds its gradient into the factors and
+  refreshes; the first step only starts the bases (its update is zero,
+  and Adam's ``t`` counts from the second step). A gradient rotated into
+  its own factors' basis is that matrix's SVD, diagonal up to rounding,
+  whose noise Adam would blow up to steps of about ``±1`` (SOAP:
+  "so that we never use the current gradients in the projection").
 
 Refresh (``refresh_every``, ``refresh``): the bases are recomputed every
 ``refresh_every`` steps (counts ``refresh_every, 2·refresh_every, ...``),
 and a layer without a basis yet gets one at the first update whose factors
-have statistics (step 0), so step 0 already runs in the basis of its own
-statistics. ``refresh="eigh"`` decomposes each factor exactly;
+have statistics (step 0); under ``"kfac"`` before that step's Adam (step 0
+already runs in the basis of its own statistics, as ``kfl.kfac``
+preconditions with them), under ``"shampoo"`` after it. ``refresh="eigh"`` decomposes each factor exactly;
 ``refresh="power"`` warm-starts from the previous basis as SOAP does: one
 power-iteration step ``C Q_old`` and a QR (``Q_new = qr(C Q_old).Q``, the
 columns taken in decreasing order of ``diag(Q_oldᵀ C Q_old)`` and put
@@ -350,16 +357,7 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
         l.leaves, l.block.param_shapes)) for l in layers}
     key, stats_key = jax.random.split(state.key)
 
-    # 1. Statistics into the factors.
-    if basis == "shampoo":
-      new = {l.name: per_slice(l, lambda v, b=inner_block(l.block):
-                               shampoo_stats(b, v))(vectors[l.name])
-             for l in layers}
-      if axis_name is not None:
-        new = jax.lax.pmean(new, axis_name)
-    elif stats is not None:
-      new = jax.lax.pmean(stats, axis_name) if axis_name else stats
-    else:
+    if basis == "kfac" and stats is None:
       if jax.tree.structure(batch) != tagged.batch_treedef:
         raise ValueError(f"batch structure {jax.tree.structure(batch)} "
                          f"differs from the example batch's "
@@ -368,66 +366,99 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
       # example batch's layers, as kfl.kfac does.
       tagged = tagged_for(params, batch)
       estimators.stats_batch_size(batch, stats_fraction, "eigen_adam.update")
+
+    def fold(blocks):
+      """This step's statistics into the factors."""
+      if basis == "shampoo":
+        new = {l.name: per_slice(l, lambda v, b=inner_block(l.block):
+                                 shampoo_stats(b, v))(vectors[l.name])
+               for l in layers}
+        if axis_name is not None:
+          new = jax.lax.pmean(new, axis_name)
+      elif stats is not None:
+        new = jax.lax.pmean(stats, axis_name) if axis_name else stats
+      else:
+        new = kfac_statistics(blocks)
+      return transform.accumulate(layers, blocks, new, cov_decay)
+
+    def kfac_statistics(blocks):
+      nonlocal stats_key
       if axis_name is not None:
         stats_key = jax.random.fold_in(stats_key,
                                        jax.lax.axis_index(axis_name))
       dtype = transform.float_dtype(params)
-      all_states = {l.name: (state.blocks[l.name] if l.name in state.blocks
+      all_states = {l.name: (blocks[l.name] if l.name in blocks
                              else l.block.init(dtype)) for l in tagged.layers}
-      new = transform.statistics(
+      return transform.statistics(
           tagged, params, batch, stats_key, all_states, estimation=estimation,
           num_samples=num_samples, stats_fraction=stats_fraction,
           axis_name=axis_name)
-    states = transform.accumulate(layers, state.blocks, new, cov_decay)
 
-    # 2. Refresh the bases where due, carrying the moments into them.
-    due = (state.count % refresh_every == 0) & (state.count > 0)
-    needs = {l.name: _has_statistics(states[l.name])
-             & (due | ~_is_ready(states[l.name])) for l in layers}
-    mu_b, nu_b = dict(state.mu_basis), dict(state.nu_basis)
+    def refresh_due(states, mu_b, nu_b):
+      """New bases where due, the moments carried into them."""
+      due = (state.count % refresh_every == 0) & (state.count > 0)
+      needs = {l.name: _has_statistics(states[l.name])
+               & (due | ~_is_ready(states[l.name])) for l in layers}
 
-    def run(args):
-      states, mu_b, nu_b = args
-      out = ({}, {}, {})
+      def run(args):
+        states, mu_b, nu_b = args
+        out = ({}, {}, {})
+        for l in layers:
+          old = states[l.name]
+          fresh = per_slice(l, lambda st: jax.tree.map(
+              lambda f: refresh_factor(f, state.count, refresh), st,
+              is_leaf=_is_factor))(old)
+          m, v = per_slice(l, lambda m, v, o, n: rebase_moments(
+              m, v, o, n, nu_rebase))(mu_b[l.name], nu_b[l.name], old, fresh)
+          need = needs[l.name]
+          pick = lambda n, o: jax.tree.map(
+              lambda a, b: jnp.where(need, a, b), n, o)
+          out[0][l.name] = pick(fresh, old)
+          out[1][l.name] = pick(m, mu_b[l.name])
+          out[2][l.name] = pick(v, nu_b[l.name])
+        return out
+
+      if not layers:
+        return states, mu_b, nu_b
+      return jax.lax.cond(jnp.any(jnp.stack(list(needs.values()))), run,
+                          lambda a: a, (states, mu_b, nu_b))
+
+    def adam_step(states, mu_b, nu_b, t):
+      """Adam at step ``t``: in the bases for the rotated layers, plainly
+      for the rest; ``(updates, mu_b, nu_b, mu, nu)``."""
+      out, mu, nu, mu_b = list(leaves), list(state.mu), list(state.nu), dict(mu_b)
+      nu_b = dict(nu_b)
       for l in layers:
-        old = states[l.name]
-        fresh = per_slice(l, lambda st: jax.tree.map(
-            lambda f: refresh_factor(f, state.count, refresh), st,
-            is_leaf=_is_factor))(old)
-        m, v = per_slice(l, lambda m, v, o, n: rebase_moments(
-            m, v, o, n, nu_rebase))(mu_b[l.name], nu_b[l.name], old, fresh)
-        need = needs[l.name]
-        pick = lambda n, o: jax.tree.map(
-            lambda a, b: jnp.where(need, a, b), n, o)
-        out[0][l.name] = pick(fresh, old)
-        out[1][l.name] = pick(m, mu_b[l.name])
-        out[2][l.name] = pick(v, nu_b[l.name])
-      return out
+        lay, dtype = inner_block(l.block).layout, mu_b[l.name].dtype
+        g = per_slice(l, lambda st, v: to_basis(
+            lay.to_mat(v).astype(dtype), _basis(st.a), _basis(st.g)))(
+                states[l.name], vectors[l.name])
+        u, mu_b[l.name], nu_b[l.name] = adam(g, mu_b[l.name], nu_b[l.name], t)
+        u = per_slice(l, lambda st, u: lay.from_mat(from_basis(
+            u, _basis(st.a), _basis(st.g))))(states[l.name], u)
+        for i, x in zip(l.leaves, u):
+          out[i] = x.reshape(leaves[i].shape).astype(leaves[i].dtype)
+      covered = {i for l in layers for i in l.leaves}
+      for i, g in enumerate(leaves):
+        if i not in covered:
+          out[i], mu[i], nu[i] = adam(g, mu[i], nu[i], t)
+      return out, mu_b, nu_b, tuple(mu), tuple(nu)
 
-    if layers:
-      states, mu_b, nu_b = jax.lax.cond(
-          jnp.any(jnp.stack(list(needs.values()))), run, lambda a: a,
-          (states, mu_b, nu_b))
-
-    # 3. Adam: in the bases for the rotated layers, plainly for the rest.
     count_inc = optax.safe_increment(state.count)
-    out = list(leaves)
-    mu, nu = list(state.mu), list(state.nu)
-    for l in layers:
-      lay, dtype = inner_block(l.block).layout, mu_b[l.name].dtype
-      g = per_slice(l, lambda st, v: to_basis(
-          lay.to_mat(v).astype(dtype), _basis(st.a), _basis(st.g)))(
-              states[l.name], vectors[l.name])
-      u, mu_b[l.name], nu_b[l.name] = adam(g, mu_b[l.name], nu_b[l.name],
-                                           count_inc)
-      u = per_slice(l, lambda st, u: lay.from_mat(from_basis(
-          u, _basis(st.a), _basis(st.g))))(states[l.name], u)
-      for i, x in zip(l.leaves, u):
-        out[i] = x.reshape(leaves[i].shape).astype(leaves[i].dtype)
-    covered = {i for l in layers for i in l.leaves}
-    for i, g in enumerate(leaves):
-      if i not in covered:
-        out[i], mu[i], nu[i] = adam(g, mu[i], nu[i], count_inc)
+    if basis == "kfac":  # This step's statistics, then its basis.
+      states, mu_b, nu_b = refresh_due(fold(state.blocks), state.mu_basis,
+                                       state.nu_basis)
+      out, mu_b, nu_b, mu, nu = adam_step(states, mu_b, nu_b, count_inc)
+    else:  # SOAP: the step in the bases of the earlier gradients, then
+      # this gradient into the factors; the first step only starts them.
+      first = state.count == 0
+      out, *moments = adam_step(state.blocks, state.mu_basis, state.nu_basis,
+                                jnp.maximum(state.count, 1))
+      out = [jnp.where(first, jnp.zeros_like(u), u) for u in out]
+      mu_b, nu_b, mu, nu = jax.tree.map(
+          lambda new, old: jnp.where(first, old, new), tuple(moments),
+          (state.mu_basis, state.nu_basis, state.mu, state.nu))
+      states, mu_b, nu_b = refresh_due(fold(state.blocks), mu_b, nu_b)
     new_state = EigenAdamState(
         count=count_inc, key=key, blocks=states, mu_basis=mu_b,
         nu_basis=nu_b, mu=tuple(mu), nu=tuple(nu))
