@@ -50,7 +50,16 @@ stepped in one of two styles:
   params, stats=est.stats)``: with ``f = 1`` the gradient and the
   statistics share one forward pass; with ``f < 1`` the statistics take
   their own pass on the first share of the batch (the same work as
-  ``2-pass``).
+  ``2-pass``);
+* ``kfac_optimizer`` rows: ``kfl.kfac_optimizer`` (its quadratic model's
+  products on top of the preconditioner) with ``batch=`` (2-pass) and with
+  the one-pass estimate's ``stats=`` (1-pass);
+* ``cov=K 1-pass`` (``--cov-every``): the recommended recipe amortised,
+  ``kfl.kfac(..., cov_every=K)`` and ``est_fn(p, batch, key,
+  with_stats=kfl.stats_due(state))``, so the statistics are computed only on
+  every K-th step (the plain gradient on the others); its "median" is the
+  median statistics step and the median other step weighted 1 : K - 1, and
+  its floor has the statistics' share ``f / K``.
 
 Cost model (per dense layer, ``a = d_in + 1``, ``b = d_out``, batch ``M``,
 statistics share ``f``, inverse interval ``T``)::
@@ -237,7 +246,7 @@ class Runner:
   """One configuration: a jitted step and its loop state."""
 
   def __init__(self, name, step, carry, interval=None, fraction=None,
-               style=None):
+               style=None, cov_every=1):
     # The carry is donated (``jax.jit(..., donate_argnums=0)``, as a training
     # loop should: without it XLA copies every state buffer it passes through
     # a ``lax.cond``), so every leaf gets its own buffer first (an optimizer
@@ -245,6 +254,7 @@ class Runner:
     self.name, self.step = name, step
     self.carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
     self.interval, self.fraction, self.style = interval, fraction, style
+    self.cov_every = cov_every
     self.times, self.counts, self.count = [], [], 0
     self.loss = float("nan")
 
@@ -261,7 +271,14 @@ class Runner:
 
   @property
   def median(self):
-    return statistics.median(self.times)
+    """The median step; with ``cov_every = K > 1`` the median of the
+    statistics steps and of the others, weighted 1 : K - 1 (a period)."""
+    if self.cov_every == 1:
+      return statistics.median(self.times)
+    due = [t for t, c in zip(self.times, self.counts) if c % self.cov_every == 0]
+    rest = [t for t, c in zip(self.times, self.counts) if c % self.cov_every]
+    return (statistics.median(due) + (self.cov_every - 1)
+            * statistics.median(rest)) / self.cov_every
 
   def refresh_times(self):
     if not self.interval:
@@ -318,6 +335,50 @@ def make_runners(loss_fn, params, batch, args):
     runners.append(Runner(label + " 1-pass",
                           jax.jit(one_pass, donate_argnums=0),
                           (params, state, key), interval, fraction, "1-pass"))
+  # The recommended one-pass recipe with amortised statistics: computed
+  # only on the updates that accumulate them (kfl.stats_due).
+  for cov in args.cov_every:
+    tx = optax.chain(
+        kfl.kfac(loss_fn, batch, damping=args.damping, inverse_every=10,
+                 cov_every=cov, inverse_method=args.inverse_method),
+        optax.sgd(args.kfac_lr, momentum=0.9))
+
+    def amortised(carry, batch, tx=tx):
+      p, s, k = carry
+      k, sub = jax.random.split(k)
+      est = est_fn(p, batch, sub, with_stats=kfl.stats_due(s))
+      u, s = tx.update(est.grads, s, p, stats=est.stats)
+      return (optax.apply_updates(p, u), s, k), est.loss
+    runners.append(Runner(f"K-FAC T=10 cov={cov} 1-pass",
+                          jax.jit(amortised, donate_argnums=0),
+                          (params, tx.init(params), key), 10, 1.0, "1-pass",
+                          cov_every=cov))
+  # kfl.kfac_optimizer: its quadratic model's products on top of the
+  # preconditioner, with the statistics from its own pass (batch=) or from
+  # the one-pass estimate (stats=).
+  if args.optimizer_rows:
+    opt = kfl.kfac_optimizer(loss_fn, batch, inverse_every=10,
+                             inverse_method=args.inverse_method)
+
+    def opt_two_pass(carry, batch):
+      p, s = carry
+      loss, g = jax.value_and_grad(loss_fn)(p, batch)
+      u, s = opt.update(g, s, p, batch=batch)
+      return (optax.apply_updates(p, u), s), loss
+
+    def opt_one_pass(carry, batch):
+      p, s, k = carry
+      k, sub = jax.random.split(k)
+      est = est_fn(p, batch, sub)
+      u, s = opt.update(est.grads, s, p, batch=batch, stats=est.stats)
+      return (optax.apply_updates(p, u), s, k), est.loss
+    state = opt.init(params)
+    runners.append(Runner("kfac_optimizer T=10 2-pass",
+                          jax.jit(opt_two_pass, donate_argnums=0),
+                          (params, state), 10, 1.0, "opt 2-pass"))
+    runners.append(Runner("kfac_optimizer T=10 1-pass",
+                          jax.jit(opt_one_pass, donate_argnums=0),
+                          (params, state, key), 10, 1.0, "opt 1-pass"))
   return runners, est_fn
 
 
@@ -368,9 +429,10 @@ def print_table(runners, dims, m, args):
       continue
     amort = r.median + (extra / r.interval if extra is not None and
                         r.interval > 1 else 0.0)
-    fl = floor_ratio(dims, m, fraction=r.fraction, interval=r.interval)
-    fl2 = floor_ratio(dims, m, fraction=r.fraction, interval=r.interval,
-                      two_pass=True)
+    fl = floor_ratio(dims, m, fraction=r.fraction / r.cov_every,
+                     interval=r.interval)
+    fl2 = floor_ratio(dims, m, fraction=r.fraction / r.cov_every,
+                      interval=r.interval, two_pass=True)
     ref = r.refresh_times()
     ref_s = f"{1e3 * statistics.median(ref):.1f}" if ref and r.interval > 1 else "-"
     print(cells + f"{1e3 * amort:>11.1f}{amort / sgd:>7.2f}x{fl:>7.2f}x"
@@ -582,6 +644,14 @@ def main(argv=None):
                  help="skip the per-piece timings")
   p.add_argument("--piece-reps", type=int, default=5,
                  help="repetitions of each piece timing (default 5)")
+  p.add_argument("--cov-every", type=int, nargs="*", default=[2, 5, 10],
+                 help="1-pass T=10 rows with kfl.kfac(cov_every=K) and the "
+                 "statistics computed only on its statistics steps "
+                 "(with_stats=kfl.stats_due(state)); default 2 5 10")
+  p.add_argument("--no-optimizer-rows", dest="optimizer_rows",
+                 action="store_false",
+                 help="skip the kfl.kfac_optimizer rows (2-pass: batch=, "
+                 "1-pass: stats= from kfl.value_grad_and_stats)")
   p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
   p.add_argument("--kfac-lr", type=float, default=0.01)
   p.add_argument("--damping", type=float, default=1.0)

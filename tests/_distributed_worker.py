@@ -187,7 +187,8 @@ def per_device_spread(tree):
   """Max |device k - device 0| over a pmapped tree (0 if replicated)."""
   import jax
   import numpy as np
-  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(x)[:1])))
+  return max(float(np.max(np.abs(np.asarray(x, np.float64)
+                                 - np.asarray(x, np.float64)[:1])))
              if np.size(x) else 0.0 for x in jax.tree.leaves(tree))
 
 

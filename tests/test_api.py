@@ -14,7 +14,7 @@ SRC = pathlib.Path(kfl.__file__).parent
 TOP_LEVEL = {
     "kfac", "KfacState", "kfac_optimizer", "KfacOptimizerState",
     "eigen_adam", "EigenAdamState",
-    "value_grad_and_stats", "Estimate", "ESTIMATIONS",
+    "value_grad_and_stats", "stats_due", "Estimate", "ESTIMATIONS",
     "describe", "health", "Health",
     "PredictiveDistribution", "gaussian_nll", "l2_loss", "registered_loss",
     "sigmoid_binary_cross_entropy", "softmax_cross_entropy",
@@ -124,3 +124,10 @@ def test_the_reach_in_check_finds_one(tmp_path):
                   "y = _layout.flatten\n")
   assert [t for _, t in _reach_ins(path)] == [
       "from kfac_jax_lite.factor import _damped", "fac._eye_like"]
+
+
+def test_package_is_typed():
+  """PEP 561: ``py.typed`` ships in the package (pyproject's package-data)."""
+  assert (SRC / "py.typed").is_file()
+  pyproject = (SRC.parent.parent / "pyproject.toml").read_text()
+  assert 'kfac_jax_lite = ["py.typed"]' in pyproject

@@ -56,6 +56,39 @@ def test_notebook_is_committed_executed(name):
   assert images >= 1, f"{name}: committed without its plots"
 
 
+def _execute_module():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "notebooks_execute", NOTEBOOK_DIR / "execute.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_was_executed_with_this_source(name):
+  """The committed outputs are today's: the notebook was executed (by
+  ``notebooks/execute.py``) with the library source of this checkout."""
+  recorded = _read(name).metadata.get("kfac_jax_lite", {}).get("source_sha256")
+  assert recorded == _execute_module().source_digest(), (
+      f"{name} was executed with other library source than this checkout's "
+      "(src/ changed since): run `python notebooks/execute.py` and commit "
+      "the notebooks")
+
+
+def test_source_digest_sees_every_change(tmp_path):
+  digest = _execute_module().source_digest
+  (tmp_path / "pkg").mkdir()
+  (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+  first = digest(tmp_path)
+  (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+  assert digest(tmp_path) != first
+  (tmp_path / "pkg" / "a.py").write_text("x = 1\r\n")  # line endings only
+  assert digest(tmp_path) == first
+  (tmp_path / "pkg" / "b.py").write_text("")
+  assert digest(tmp_path) != first
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, monkeypatch):
   pytest.importorskip(

@@ -265,7 +265,8 @@ def test_health_reports_a_run_that_blows_up_its_parameters():
   norm = lambda t: float(np.sqrt(sum(np.sum(np.square(x))
                                      for x in jax.tree.leaves(t))))
   kstate = state[0]
-  assert float(kstate.param_norm_first) == pytest.approx(norm(init), rel=1e-5)
+  assert float(kstate.health.param_norm_first) == pytest.approx(
+      norm(init), rel=1e-5)
   assert health.ok and not health.blew_up, str(health)
   assert "param growth" in str(health) and "clipped" in str(health)
   _, (params, state) = _run_sgd(30.0, 60)

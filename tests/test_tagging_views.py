@@ -173,3 +173,50 @@ def test_sliced_position_table_is_an_embedding_of_the_whole_table(
     # A mean of N·T ones: N·T terms.
     _helpers.assert_rounding_close(
         jax.tree.leaves(est.stats["pos"])[0].ravel(), diag, terms=N * T)
+
+
+# ------------------------------- a vmapped 1x1 conv with one output channel
+# Per-example code (``jax.vmap`` over ``conv(x[None], k)[0] + b``) moves the
+# output's unit channel axis around before the bias: the bias is the conv's
+# own (this crashed at the first step: the cotangents lost the channel).
+def _conv1(p, xi):  # One example [16, 8, 8], OIHW kernel (1, 16, 1, 1).
+  y = lax.conv_general_dilated(xi[None], p["k"], (1, 1), "VALID")
+  return y[0] + p["b"][:, None, None]
+
+
+def _conv1_loss(p, x):
+  y = jax.vmap(lambda xi: _conv1(p, xi))(x)
+  return 0.5 * jnp.mean(jnp.sum((y - 1.0) ** 2, (1, 2, 3)))
+
+
+def _conv1_dense(p, x):  # The same layer written as a dense one per pixel.
+  h = jnp.transpose(x, (0, 2, 3, 1)) @ p["w"] + p["b"]
+  return 0.5 * jnp.mean(jnp.sum((h - 1.0) ** 2, (1, 2, 3)))
+
+
+def test_vmapped_one_channel_conv_is_a_conv_with_its_bias():
+  with x64_mode(True):
+    k = jax.random.split(jax.random.key(7), 2)
+    p = {"k": jax.random.normal(k[0], (1, 16, 1, 1), jnp.float64) / 4,
+         "b": 0.1 * jnp.ones(1, jnp.float64)}
+    x = jax.random.normal(k[1], (4, 16, 8, 8), jnp.float64)
+    rows = describe(_conv1_loss, p, x)
+    assert [(r.kind, r.block, r.params) for r in rows] == [
+        ("conv", "KroneckerConv", ("k", "b"))], str(rows)
+    tl = find_layers(_conv1_loss, p, x)
+    per_ex, ref = _helpers.per_example_and_reference(tl, _conv1_loss, p, x)
+    # A sum over 64 locations of 16-term products, one layer each way.
+    _helpers.assert_paths_rounding_close(per_ex, ref, terms=64 * 16, depth=3)
+    # Its statistics are those of the dense layer applied at every pixel.
+    stats = []
+    dense = {"w": p["k"].reshape(1, 16).T, "b": p["b"]}
+    for loss, q, name in ((_conv1_loss, p, "k"), (_conv1_dense, dense, "w")):
+      est = kfl.value_grad_and_stats(loss, q, x, estimation="empirical")
+      stats.append(jax.jit(est)(q, x, jax.random.PRNGKey(0)).stats[name])
+    for a, b in zip(jax.tree.leaves(stats[0]), jax.tree.leaves(stats[1])):
+      _helpers.assert_rounding_close(a, b, terms=4 * 64, depth=3)
+    # And a K-FAC step runs (it raised at the first one) and stays finite.
+    tx = kfl.kfac(_conv1_loss, x)
+    state = tx.init(p)
+    u, _ = jax.jit(tx.update)(jax.grad(_conv1_loss)(p, x), state, p, batch=x)
+    assert all(bool(jnp.isfinite(v).all()) for v in jax.tree.leaves(u))

@@ -10,7 +10,9 @@ view, ``docs/design.md`` the design brief: conventions and cost model):
 * ``tagging/`` — finds the layers in a traced loss and rewrites it to
   expose their inputs and output cotangents;
 * ``estimators.py`` — the loss, gradient and statistics from one forward
-  pass (``value_grad_and_stats``);
+  pass; ``onepass.py`` — ``value_grad_and_stats`` and ``stats_due``, that
+  estimate for ``kfac``'s ``update(..., stats=)``, computed only on the
+  steps that use it;
 * ``transform.py`` — ``kfac``, the preconditioner as an optax transform,
   and its named stages; ``optimizer.py`` — ``kfac_optimizer``, Martens &
   Grosse's optimizer with adaptive damping; ``eigen_adam.py`` —
@@ -41,7 +43,8 @@ from kfac_jax_lite.optimizer import KfacOptimizerState as KfacOptimizerState
 from kfac_jax_lite.optimizer import kfac_optimizer as kfac_optimizer
 from kfac_jax_lite.estimators import ESTIMATIONS as ESTIMATIONS
 from kfac_jax_lite.estimators import Estimate as Estimate
-from kfac_jax_lite.estimators import (
+from kfac_jax_lite.onepass import stats_due as stats_due
+from kfac_jax_lite.onepass import (
     value_grad_and_stats as value_grad_and_stats)
 from kfac_jax_lite.tagging import describe as describe
 from kfac_jax_lite.health import Health as Health
@@ -72,7 +75,7 @@ __all__ = [
     "kfac", "KfacState", "kfac_optimizer", "KfacOptimizerState",
     "eigen_adam", "EigenAdamState",
     # one pass: loss, gradient and curvature statistics
-    "value_grad_and_stats", "Estimate", "ESTIMATIONS",
+    "value_grad_and_stats", "stats_due", "Estimate", "ESTIMATIONS",
     # inspection
     "describe", "health", "Health",
     # registered losses

@@ -82,7 +82,7 @@ def train(steps, lr, use_kfac, seed=0, batch=256):
       est = est_fn(params, b, stats_key)
       loss = est.loss
       updates, opt_state = opt.update(est.grads, opt_state, params,
-                                      stats=est.stats)
+                                      stats=est.stats, loss=est.loss)
     else:
       loss, grads = jax.value_and_grad(kfac_loss)(params, b)
       updates, opt_state = opt.update(grads, opt_state, params)

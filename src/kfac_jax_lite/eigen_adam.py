@@ -120,6 +120,10 @@ NU_REBASES = ("project", "keep")
 
 
 class EigenAdamState(NamedTuple):
+  """The state of ``kfl.eigen_adam`` (a plain pytree; see the module
+  docstring): the factors whose caches hold the bases, Adam's moments in
+  the bases for the rotated layers and plainly for the other leaves."""
+
   count: Any  # int32: updates so far.
   key: Any  # PRNG key for the sampled estimators (basis="kfac", batch=).
   blocks: dict  # rotated layer -> KroneckerState; caches: bases Q.
@@ -271,7 +275,7 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
                refresh_every=10, nu_rebase="keep", cov_decay=0.95,
                estimation="fisher", num_samples=1, stats_fraction=1.0,
                blocks=None, exclude=(), weight_sharing="expand",
-               axis_name=None, has_aux=False, seed=0
+               axis_name=None, has_aux=False, seed=0, example_axis=None
                ) -> optax.GradientTransformationExtraArgs:
   """Adam in the eigenbasis of each layer's Kronecker factors (module
   docstring); chain it with ``optax.scale_by_learning_rate(lr)``.
@@ -295,7 +299,7 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
       rotated.
     cov_decay: ``β`` of the factors' zero-debiased EMA (both bases).
     estimation, num_samples, stats_fraction, blocks, exclude,
-      weight_sharing, has_aux, seed: as ``kfl.kfac`` (``basis="kfac"``:
+      weight_sharing, has_aux, seed, example_axis: as ``kfl.kfac`` (``basis="kfac"``:
       how the statistics are estimated; ``blocks`` may turn a layer's
       Kronecker block into another kind, which then gets plain Adam).
     axis_name: the ``pmap``/``shard_map`` axis to average the statistics
@@ -304,7 +308,8 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``: ``init(params)`` and
-    ``update(grads, state, params, *, batch=None, stats=None)``
+    ``update(grads, state, params, *, batch=None, stats=None)`` (other
+    keyword arguments, such as ``loss=``, are accepted and not used)
     (``basis="kfac"`` needs ``batch=`` or ``stats=``, an
     ``Estimate.stats`` of ``kfl.value_grad_and_stats``).
   """
@@ -319,7 +324,8 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
   kfac_tx = transform.kfac(
       loss_fn, example_batch, estimation=estimation, num_samples=num_samples,
       damping_mode="exact", stats_fraction=stats_fraction, blocks=blocks,
-      exclude=exclude, weight_sharing=weight_sharing, has_aux=has_aux)
+      exclude=exclude, weight_sharing=weight_sharing, has_aux=has_aux,
+      example_axis=example_axis)
   tagged_for = kfac_tx.update.layers
 
   def rotated(tagged):
@@ -401,10 +407,11 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
       dtype = transform.float_dtype(params)
       all_states = {l.name: (blocks[l.name] if l.name in blocks
                              else l.block.init(dtype)) for l in tagged.layers}
-      return transform.statistics(
+      stats_now, _ = transform.statistics(
           tagged, params, batch, stats_key, all_states, estimation=estimation,
           num_samples=num_samples, stats_fraction=stats_fraction,
           axis_name=axis_name)
+      return stats_now
 
     def refresh_due(states, mu_b, nu_b):
       """New bases where due, the moments carried into them."""

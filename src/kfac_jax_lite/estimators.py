@@ -91,8 +91,11 @@ from kfac_jax_lite import tagging
 from kfac_jax_lite._fraction import (  # noqa: F401 (re-exported)
     check_stats_fraction, stats_batch_size, stats_slice)
 
+__all__ = ["ESTIMATIONS", "Estimate", "estimate", "linearized_outputs"]
+
 ESTIMATIONS = ("fisher", "empirical", "curvature_prop", "exact",
                "curvature_prop_ggn", "exact_ggn")
+"""The ``estimation`` modes (see the module doc)."""
 # The modes whose directions are not random: a fallback block gets the
 # per-example gradients (N backward passes per sample), see the module doc.
 PER_EXAMPLE_FALLBACKS = ("empirical", "exact", "exact_ggn")
@@ -115,6 +118,23 @@ def check_estimation(estimation, num_samples=1):
                      f"{estimation!r}")
   if not (isinstance(num_samples, int) and num_samples >= 1):
     raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+
+
+def check_example_axis(example_axis, batch, stats_fraction, where):
+  """``example_axis`` must name one axis of ``batch``'s leaves (a
+  ``ValueError`` otherwise, ``tagging._examples.resolve``), the leading
+  one when ``stats_fraction < 1`` (which slices it)."""
+  if example_axis is None:
+    return
+  from kfac_jax_lite.tagging import _examples
+  try:
+    axes = _examples.resolve(batch, example_axis)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  if stats_fraction < 1 and any(a not in (None, 0) for a in axes):
+    raise ValueError(f"{where}: stats_fraction < 1 takes the first examples "
+                     "along the leading axis; with example_axis="
+                     f"{example_axis!r} use stats_fraction=1")
 
 
 def check_has_loss(tagged, estimation, where):
@@ -150,10 +170,17 @@ def check_has_loss(tagged, estimation, where):
       "estimation='empirical' (per-example gradients; any batch)")
 
 
-def _per_example(c_elem, n):
-  """``c_i``: a loss's element weights summed over all but the batch axis."""
-  return c_elem.reshape(n, -1).sum(-1) if c_elem.ndim else jnp.broadcast_to(
-      c_elem, (n,))
+def _per_example(c_elem, n, axis=0):
+  """``c_i``: a loss's element weights summed over all but the batch axis
+  (``axis``: ``LossTag.example_axis``)."""
+  if not c_elem.ndim:
+    return jnp.broadcast_to(c_elem, (n,))
+  return jnp.moveaxis(c_elem, axis, 0).reshape(n, -1).sum(-1)
+
+
+def _along(v, axis, ndim):
+  """``v [N]`` shaped to broadcast along ``axis`` of ``ndim`` axes."""
+  return v.reshape((1,) * axis + (-1,) + (1,) * (ndim - axis - 1))
 
 
 def _directions(tag, outs, targets, values_shape, mode, key, num_samples):
@@ -168,7 +195,7 @@ def _directions(tag, outs, targets, values_shape, mode, key, num_samples):
   roots = (dist.ggn_sqrt(outs, targets) if mode.endswith("_ggn")
            else dist.fisher_sqrt(outs))
   if mode.startswith("exact"):
-    return _columns(roots, values_shape)
+    return _columns(roots, values_shape, tag.example_axis)
   def project(k):
     r = jax.random.rademacher(k, values_shape + (roots[0].shape[-1],),
                               roots[0].dtype)
@@ -176,15 +203,19 @@ def _directions(tag, outs, targets, values_shape, mode, key, num_samples):
   return jax.vmap(project)(jax.random.split(key, num_samples)), num_samples
 
 
-def _columns(roots, values_shape):
+def _columns(roots, values_shape, axis=0):
   """All columns of ``B``, one loss element of each example at a time.
 
   Elements of one example are independent (their cross terms vanish in
   the Fisher), so each column touches one element position: ``E·K``
-  columns for ``E`` elements per example and ``K`` columns per element.
+  columns for ``E`` elements per example and ``K`` columns per element
+  (``axis``: the values' example axis).
   """
-  e, k = math.prod(values_shape[1:]), roots[0].shape[-1]
-  mask = jnp.eye(e, dtype=roots[0].dtype).reshape((e, 1, 1) + values_shape[1:])
+  within = values_shape[:axis] + values_shape[axis + 1:]
+  e, k = math.prod(within), roots[0].shape[-1]
+  mask = jnp.expand_dims(jnp.eye(e, dtype=roots[0].dtype).reshape(
+      (e,) + within), 1 + axis).reshape((e, 1) + values_shape[:axis] + (1,)
+                                        + values_shape[axis + 1:])
   cols = []
   for b in roots:  # [*values, *event, K]
     bk = jnp.moveaxis(b, -1, 0)  # [K, *values, *event]
@@ -210,7 +241,7 @@ def _output_cotangents(tagged, caps, c_elems, c_i, mode, key, num_samples,
                            num_samples)
     w = jnp.maximum(c_elem, 0)
     if scale_by_example:  # √(c_e / c_i), zero for weightless examples.
-      ci = c_i.reshape((-1,) + (1,) * (c_elem.ndim - 1))
+      ci = _along(c_i, tag.example_axis, c_elem.ndim)
       root = jnp.sqrt(jnp.where(ci > 0, w / jnp.where(ci > 0, ci, 1), 0))
     else:
       root = jnp.sqrt(w)
@@ -281,7 +312,7 @@ def _layer_stats(tagged, caps, cots, c_i, states):
   return stats
 
 
-def _split_by_example(directions, c_i):
+def _split_by_example(directions, c_i, axes=()):
   """Output cotangents ``[S, N, ...]`` split by example: ``[N·S, N, ...]``,
   row ``(j, s)`` example ``j``'s part of sample ``s`` (zero elsewhere)
   times ``√(N c_j)``.
@@ -297,12 +328,15 @@ def _split_by_example(directions, c_i):
   if n == 1:  # One example (or a loss without an example axis).
     return jax.tree.map(lambda x: x * scale[0].astype(x.dtype), directions)
 
-  def split(x):  # [S, N, ...] -> [N·S, N, ...]
-    trail = (1,) * (x.ndim - 2)
+  def split(x, axis):  # [S, ..., N (at 1 + axis), ...] -> [N·S, ...]
     mask = jnp.eye(n, dtype=x.dtype) * scale.astype(x.dtype)[:, None]
-    rows = x[None] * mask.reshape((n, 1, n) + trail)
+    shape = [n] + [1] * x.ndim
+    shape[2 + axis] = n
+    rows = x[None] * mask.reshape(shape)
     return rows.reshape((n * x.shape[0],) + x.shape[1:])
-  return jax.tree.map(split, directions)
+  axes = tuple(axes) or (0,) * len(directions)
+  return tuple(jax.tree.map(lambda x, a=a: split(x, a), d)
+               for d, a in zip(directions, axes))
 
 
 def _fallback_stats(tagged, param_grads, states):
@@ -351,10 +385,12 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
 
   c_elems = [probe_ct[t.uid].astype(_float(probe_ct[t.uid].dtype))
              for t in tagged.losses]
-  n = c_elems[0].shape[0] if c_elems[0].ndim else 1
+  first = tagged.losses[0]
+  n = c_elems[0].shape[first.example_axis] if c_elems[0].ndim else 1
   if n == 0:
     raise ValueError("the batch is empty: its registered loss has no examples")
-  c_i = sum(_per_example(c, n) for c in c_elems)
+  c_i = sum(_per_example(c, n, t.example_axis)
+            for c, t in zip(c_elems, tagged.losses))
   k_layers, k_fallback = jax.random.split(key)
   d, _ = _output_cotangents(tagged, caps, c_elems, c_i, estimation,
                             k_layers, num_samples, True)
@@ -365,7 +401,8 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
                        states)
   if has_fallbacks and estimation in PER_EXAMPLE_FALLBACKS:
     # Exact directions: one backward pass per example and sample.
-    fb_grads, _ = back(_split_by_example(d, c_i))
+    fb_grads, _ = back(_split_by_example(
+        d, c_i, [t.example_axis for t in tagged.losses]))
     stats.update(_fallback_stats(tagged, fb_grads, states))
   elif has_fallbacks:  # Sampled: cross-example terms vanish in expectation.
     d_fb, _ = _output_cotangents(tagged, caps, c_elems, c_i, estimation,
@@ -418,95 +455,3 @@ def _batch_size(tagged, batch):
 def _float(dtype):
   """At least float32; float64 stays float64 (``jax_enable_x64``)."""
   return jnp.result_type(jnp.float32, dtype)
-
-
-def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
-                         num_samples=1, stats_fraction=1.0, has_aux=False,
-                         blocks=None, exclude=(), weight_sharing="expand",
-                         damping_mode="pi"):
-  """``fn(params, batch, key) -> Estimate``: the loss, its gradient and the
-  curvature statistics of every block, for ``kfac``'s ``update(..., stats=)``.
-
-      est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
-      est = est_fn(params, batch, key)           # in the jitted step
-      updates, state = tx.update(est.grads, state, params, stats=est.stats)
-
-  ``est.loss`` and ``est.grads`` equal ``jax.value_and_grad(loss_fn)(params,
-  batch)`` (``est.aux`` the auxiliary output with ``has_aux``); ``est.stats``
-  maps each block name to its statistics, ``est.weights`` are the examples'
-  loss weights ``c_i`` (module docstring). With ``stats_fraction = 1`` all of
-  it comes from one forward pass (one ``jax.vjp``: the gradient's backward
-  pass and the statistics' sampled one share its residuals), the cheapest
-  way to feed ``kfl.kfac``.
-
-  Args:
-    loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
-      ``has_aux``); traced once here, at ``params`` and ``batch`` (arrays or
-      ``jax.ShapeDtypeStruct``s), to find its layers. ``fn.tagged`` holds
-      them with their blocks; ``fn`` is pure and jittable and takes any
-      batch of the same structure.
-    estimation: how the output cotangents behind the statistics are drawn
-      (module docstring): ``"fisher"`` (targets sampled from the model's
-      registered predictive distribution: the true Fisher), ``"empirical"``
-      (``"fisher"`` at the data targets; works without a registered or
-      recognised loss),
-      ``"curvature_prop"`` (Rademacher projections of a square root of the
-      output Fisher), ``"exact"`` (all its columns: the exact Kronecker
-      factors, cost × output size), and ``"curvature_prop_ggn"``,
-      ``"exact_ggn"`` (the same with the output Hessian: the GGN).
-    num_samples: draws per example for the sampled modes (``"fisher"``,
-      ``"curvature_prop"``); the statistics average them. Must be 1 for the
-      others to mean anything (they ignore it but for its check).
-    stats_fraction: the share ``f`` in ``(0, 1]`` of each batch the
-      statistics are computed on: its first ``round(N·f)`` examples, at least
-      2 (Martens & Grosse use 1/8). The loss and gradient always use the
-      whole batch. The statistics are then exactly those of
-      ``kfl.kfac(..., stats_fraction=f)`` with ``batch=``: ``loss_fn`` on the
-      first examples gives their weights ``c_i`` (1/k for a mean over the
-      slice). They take their own forward pass on the slice (``f·2·M·a·b``
-      FLOPs per dense layer, ``a``/``b`` its input/output sizes, ``M`` the
-      batch), because a generic ``loss_fn`` cannot be split: sharing the
-      whole batch's forward pass instead would need the sampled backward
-      pass over all ``M`` examples (``2·M·a·b`` rather than ``f·2·M·a·b``),
-      the dearer choice for any ``f < 1/2``.
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    blocks: curvature block overrides per parameter path or layer kind, as
-      in ``kfl.kfac`` (see ``kfl.tagging.find_layers``); ``exclude``:
-      parameter paths (or patterns) left out of the curvature (their
-      gradient passes through).
-    weight_sharing: ``"expand"`` or ``"reduce"`` (Eschenhagen et al. 2023)
-      for layers applied over extra axes (sequence positions, a
-      convolution's output locations), as in
-      ``kfl.kfac``; it must match the transform's for the statistics to fit
-      its blocks.
-    damping_mode: ``"pi"`` or ``"exact"``, as in ``kfl.kfac``: it chooses
-      the blocks' caches, so it must match the transform's too.
-
-  Returns:
-    ``fn(params, batch, key, states=None) -> Estimate`` (``key`` a PRNG key
-    for the sampled modes; ``states``, a ``kfl.kfac`` state's ``blocks``, is
-    needed by blocks whose statistics depend on their state, ``"ekfac"``),
-    with ``fn.tagged``.
-  """
-  check_estimation(estimation, num_samples)
-  check_stats_fraction(stats_fraction)
-  stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)")
-  tagged = tagging.find_layers(
-      loss_fn, params, batch, has_aux=has_aux, exclude=exclude).with_blocks(
-          blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
-  check_has_loss(tagged, estimation, "value_grad_and_stats")
-
-  def fn(params, batch, key, states=None):
-    if stats_fraction >= 1.0:
-      return estimate(tagged, params, batch, key, estimation=estimation,
-                      num_samples=num_samples, states=states)
-    part = estimate(tagged, params,
-                    stats_slice(batch, stats_fraction, "value_grad_and_stats"),
-                    key, estimation=estimation, num_samples=num_samples,
-                    states=states)
-    out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
-    loss, aux = out if has_aux else (out, None)
-    return Estimate(loss, aux, grads, part.stats, part.weights)
-
-  fn.tagged = tagged
-  return fn

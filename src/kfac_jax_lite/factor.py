@@ -81,12 +81,16 @@ __all__ = [
 Array = jax.Array
 
 CACHE_KINDS = ("power", "eigh")
+"""The kinds of cached decomposition (``FactorCache``)."""
 INVERSE_METHODS = ("auto", "gauss_jordan", "schur", "cholesky", "newton_schulz",
                    "eigh")
+"""The ways a refresh can compute the damped inverse (``inverse_method``)."""
 # "auto" per backend: measured on CPU (benchmarks/README.md); elsewhere the
 # vendor's Cholesky until measured (see check_inverse_method).
 AUTO_METHODS = {"cpu": "gauss_jordan"}
+"""``inverse_method="auto"``'s choice per backend."""
 AUTO_DEFAULT = "cholesky"
+"""``inverse_method="auto"``'s choice on a backend not in ``AUTO_METHODS``."""
 
 
 class FactorCache(NamedTuple):
@@ -162,6 +166,7 @@ def factor_value(state: FactorState) -> Array:
 
 
 all_finite = _packing.all_finite  # Σ (x − x) over packed leaves.
+"""A scalar bool: every entry of every leaf of a pytree is finite."""
 
 
 def _check_stats_shape(state: FactorState, new_stats, where: str):

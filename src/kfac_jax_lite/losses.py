@@ -17,6 +17,12 @@ from jax.interpreters import ad, batching, mlir
 
 from kfac_jax_lite import distributions as dists
 
+__all__ = [
+    "gaussian_nll", "l2_loss", "registered_loss", "sigmoid_binary_cross_entropy",
+    "softmax_cross_entropy", "softmax_cross_entropy_with_integer_labels",
+    "squared_error",
+]
+
 loss_tag_p = Primitive("kfl_loss_tag")
 
 

@@ -35,10 +35,19 @@ update:
    to 1e-2. With ``1e-5`` the final loss of those runs was within 1.5× of
    the ``1e-8`` one (``benchmarks/robustness.py``, README "Defaults").
 
-Extra args: ``update(grads, state, params, *, batch)`` needs only the
-batch. To read the loss at the new parameters it evaluates
-``loss_fn(params + step, batch)`` itself (one more forward pass on T₁-th
-steps) — no other extra argument is read. The returned update is the whole
+Extra args: ``update(grads, state, params, *, batch, stats=None)`` needs
+the batch, for the quadratic model's products and, without ``stats=``, for
+the preconditioner's statistics (its own pass). ``stats=`` takes them from
+the one-pass estimate instead, as ``kfl.kfac``'s ``update`` does::
+
+    est = est_fn(params, batch, key, with_stats=kfl.stats_due(state))
+    step, state = opt.update(est.grads, state, params, batch=batch,
+                             stats=est.stats, loss=est.loss)
+
+(``est_fn = kfl.value_grad_and_stats(loss_fn, params, batch, ...)`` with
+the same estimation options). To read the loss at the new parameters it
+evaluates ``loss_fn(params + step, batch)`` itself (one more forward pass
+on T₁-th steps) — no other extra argument is read. The returned update is the whole
 step: apply it with ``optax.apply_updates`` (do not chain a learning rate).
 The preconditioner's damping is ``λ + η`` (M&G's γ adaptation is replaced
 by tying γ² to it).
@@ -56,6 +65,9 @@ from kfac_jax_lite import transform
 
 
 class KfacOptimizerState(NamedTuple):
+  """The state of ``kfac_optimizer``: the inner ``KfacState`` and the adapted
+  damping, step and momentum."""
+
   kfac: transform.KfacState
   damping: Any  # λ, adapted by Levenberg–Marquardt.
   velocity: Any  # The previous update δ.
@@ -127,10 +139,11 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
       mode (``kfl.kfac``'s default) an adapted ``λ`` reaches the cached
       inverses at their next refresh (``inverse_every``); the quadratic
       model uses the current ``λ`` at every step.
-    min_damping, max_damping: the range ``λ`` is clipped to. The floor
+    min_damping: the floor of the range ``λ`` is clipped to. The floor
       (default 1e-5, as in kfac-jax's examples; Martens & Grosse count their
       ℓ2 term η = 1e-5 in the damping) keeps an easy problem from driving
       ``λ`` so low that a harder patch needs hundreds of steps to recover.
+    max_damping: the ceiling of that range.
     damping_decay: ``ω`` per step: every ``damping_adaptation_interval``
       (``T₁``) steps ``λ`` is multiplied by ``ω^{T₁}`` when ``ρ > ¾`` and
       divided by it when ``ρ < ¼``; in ``(0, 1)``.
@@ -148,13 +161,17 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     **kfac_options: passed to ``kfl.kfac`` (``estimation``, ``num_samples``,
       ``cov_decay``, ``inverse_every``, ``damping_mode``, ``stats_fraction``,
-      ``blocks``, ``exclude``, ``axis_name``, ``inverse_method``, ...), but
+      ``blocks``, ``exclude``, ``axis_name``, ``inverse_method``,
+      ``example_axis`` (which axis of the batch holds the examples), ...), but
       not ``damping``, which this optimizer adapts; ``norm_constraint``
       defaults to None here (the quadratic model chooses the step's size).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads,
-    state, params, *, batch)`` returns the whole step ``αΔ + μδ``.
+    state, params, *, batch, stats=None, loss=None)`` returns the whole step
+    ``αΔ + μδ`` (``stats=``: the statistics of ``kfl.value_grad_and_stats``,
+    used by the preconditioner instead of its own pass, with ``loss=`` the
+    batch's loss for ``kfl.health``, as ``kfl.kfac``'s; module docstring).
   """
   if curvature not in ("ggn", "fisher"):
     raise ValueError(f"curvature must be 'ggn' or 'fisher', got {curvature!r}")
@@ -214,7 +231,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     return KfacOptimizerState(inner.init(params), scalar(initial_damping),
                               zeros, scalar(0.0), scalar(0.0), scalar(0.0))
 
-  def update_fn(grads, state, params=None, *, batch=None, **extra_args):
+  def update_fn(grads, state, params=None, *, batch=None, stats=None,
+                loss=None, **extra_args):
     del extra_args
     if params is None or batch is None:
       raise ValueError("kfac_optimizer.update needs params and batch=")
@@ -222,7 +240,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     dtype = transform.float_dtype(params)
     lam = state.damping.astype(dtype)
     precond, kstate = inner.update(grads, state.kfac, params, batch=batch,
-                                   damping=lam + l2_reg)
+                                   stats=stats, damping=lam + l2_reg,
+                                   loss=loss)
     delta = jax.tree.map(lambda u: -u, precond)
     first = kstate.count == 1
     vel = state.velocity

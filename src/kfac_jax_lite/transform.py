@@ -71,6 +71,7 @@ import optax
 
 from kfac_jax_lite.blocks import Stacked
 from kfac_jax_lite import _detection
+from kfac_jax_lite import _health_state
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite import tagging
@@ -78,6 +79,8 @@ from kfac_jax_lite._safeguards import clip, guard, inner_product  # noqa: F401
 
 
 class KfacState(NamedTuple):
+  """The state of ``kfac``: step count, block states and safeguard counters."""
+
   count: Any  # int32: updates so far.
   key: Any  # PRNG key for the sampled estimators.
   blocks: dict  # layer name -> block state (leading stack axis if stacked).
@@ -86,10 +89,12 @@ class KfacState(NamedTuple):
   num_bad_damping: Any  # int32: updates skipped for a damping that is not > 0.
   num_nonfinite_params: Any  # int32: updates called with non-finite params.
   # Issue 24: what ``kfl.health`` needs to tell a run that blows up its
-  # parameters or is held by the KL clip from one that trains.
-  num_clipped: Any  # int32: updates the KL clip scaled down (s < 1).
-  param_norm_first: Any  # ‖θ‖ at the first update (curvature dtype).
-  param_norm: Any  # ‖θ‖ at the latest update (curvature dtype).
+  # parameters or stalls from one that trains (``_health_state``).
+  health: Any  # _health_state.HealthState
+  # int32, 1 when the next update accumulates statistics (``count %
+  # cov_every == 0``), else 0 (an int, not a bool, so that arithmetic over
+  # the state's leaves works); ``kfl.stats_due`` reads it.
+  stats_due: Any
 
 
 def float_dtype(tree):
@@ -207,12 +212,14 @@ def _check_damping(damping, where="kfac"):
 
 def statistics(tagged, params, batch, key, states, *, estimation,
                num_samples, stats_fraction, axis_name=None):
-  """Every block's statistics on the first ``stats_fraction`` of ``batch``
-  (``estimators.estimate``), averaged over ``axis_name`` when given."""
-  stats = estimators.estimate(
+  """``(stats, loss)``: every block's statistics on the first
+  ``stats_fraction`` of ``batch`` (``estimators.estimate``) and the loss
+  there, averaged over ``axis_name`` when given."""
+  est = estimators.estimate(
       tagged, params, estimators.stats_slice(batch, stats_fraction), key,
-      estimation=estimation, num_samples=num_samples, states=states).stats
-  return jax.lax.pmean(stats, axis_name) if axis_name else stats
+      estimation=estimation, num_samples=num_samples, states=states)
+  out = (est.stats, est.loss)
+  return jax.lax.pmean(out, axis_name) if axis_name else out
 
 
 def accumulate(layers, states, stats, cov_decay):
@@ -312,14 +319,15 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
          inverse_every=10, damping_mode="pi", stats_fraction=1.0,
          precon_power=-1.0, norm_constraint=DEFAULT_NORM_CONSTRAINT,
          blocks=None, exclude=(), weight_sharing="expand", axis_name=None,
-         has_aux=False, seed=0, inverse_method="auto"
+         has_aux=False, seed=0, inverse_method="auto", example_axis=None
          ) -> optax.GradientTransformationExtraArgs:
   """The K-FAC preconditioner as an optax transformation (module docstring).
 
       est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)  # one pass
       tx = optax.chain(kfl.kfac(loss_fn, batch), optax.sgd(lr, momentum=0.9))
       est = est_fn(params, batch, key)
-      updates, state = tx.update(est.grads, state, params, stats=est.stats)
+      updates, state = tx.update(est.grads, state, params, stats=est.stats,
+                                 loss=est.loss)  # loss: for kfl.health
       # or: tx.update(grads, state, params, batch=batch)  (its own pass)
 
   Args:
@@ -350,7 +358,9 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     cov_decay: ``β`` of the zero-debiased EMA ``C ← β C + (1-β) X`` of the
       factors.
     cov_every: statistics are computed and accumulated every ``cov_every``
-      steps (from step 0).
+      steps (from step 0). With ``stats=`` they are used only on those
+      steps: compute them only then with ``est_fn(..., with_stats=
+      kfl.stats_due(state))`` (``KfacState.stats_due``; ``kfl.onepass``).
     inverse_every: the caches are refreshed every ``inverse_every`` steps,
       and at steps 1, 2, 4, 8, ... below it (``is_refresh_step``).
     damping_mode: ``"pi"`` (factored Tikhonov: ``A + π√λ I`` and
@@ -380,6 +390,11 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     axis_name: the ``pmap``/``shard_map`` axis to average the statistics
       over and split the refreshes across; None outside such a map.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    example_axis: the batch leaves' example axis: None the leading one
+      (``kfl.describe`` says when that is a guess), an int, or a pytree of
+      the batch's structure with an int or None per leaf; 1 for time-major
+      ``[T, B]`` data (``kfl.tagging.find_layers``); needs
+      ``stats_fraction=1`` unless 0.
     seed: the seed of the PRNG key (in the state) of the sampled estimators
       under ``batch=``.
     inverse_method: how a refresh computes the π-damped inverses
@@ -399,10 +414,12 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
   Returns:
     An ``optax.GradientTransformationExtraArgs``: ``init(params)`` and
     ``update(grads, state, params, *, batch=None, stats=None,
-    damping=None)``, which needs ``params`` and either ``batch=`` (the
-    statistics take their own pass on its first ``stats_fraction``) or
-    ``stats=`` (an ``Estimate.stats``); ``damping`` overrides the
-    configured one for that call (see ``damping``). ``tx.update.layers(
+    damping=None, loss=None)``, which needs ``params`` and either
+    ``batch=`` (the statistics take their own pass on its first
+    ``stats_fraction``) or ``stats=`` (an ``Estimate.stats``); ``damping``
+    overrides the configured one for that call (see ``damping``);
+    ``loss`` (``Estimate.loss``; else ``batch=``'s statistics pass's) is
+    kept for ``kfl.health`` (``_health_state``). ``tx.update.layers(
     params)``: the ``tagging.TaggedLoss`` it uses (one trace per params
     signature, with the blocks), shared by ``kfl.kfac_optimizer``.
   """
@@ -418,6 +435,8 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
   _check_damping(damping)
   estimators.stats_batch_size(example_batch, stats_fraction,
                               "kfac(example_batch)")
+  estimators.check_example_axis(example_axis, example_batch, stats_fraction,
+                                "kfac")
   configured_damping = damping
   damping_schedule = (damping if callable(damping)
                       else (lambda _: configured_damping))
@@ -431,7 +450,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     tagged = _detection.find_layers_cached(
         detection_cache, loss_fn, params,
         example_batch if batch is None else batch,
-        has_aux=has_aux, exclude=exclude)
+        has_aux=has_aux, exclude=exclude, example_axis=example_axis)
     if tagged not in with_blocks:
       with_blocks[tagged] = tagged.with_blocks(
           blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
@@ -449,12 +468,12 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
         blocks={l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))
                 for l in tagged_for(params).layers},
         num_bad_grads=zero(), num_bad_updates=zero(), num_bad_damping=zero(),
-        num_nonfinite_params=zero(), num_clipped=zero(),
-        param_norm_first=jnp.zeros((), float_dtype(leaves)),
-        param_norm=jnp.zeros((), float_dtype(leaves)))
+        num_nonfinite_params=zero(),
+        health=_health_state.init(params, float_dtype(leaves)),
+        stats_due=jnp.ones((), jnp.int32))
 
   def update_fn(grads, state, params=None, *, batch=None, stats=None,
-                damping=None, **extra_args):
+                damping=None, loss=None, **extra_args):
     del extra_args
     if params is None:
       raise ValueError("kfac needs params: call tx.update(grads, state, params, "
@@ -481,19 +500,20 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
 
     def statistics_and_accumulate(states):
       if stats is not None:
-        new = jax.lax.pmean(stats, axis_name) if axis_name else stats
+        new = jax.lax.pmean(stats, axis_name) if axis_name else stats, 0.0
       else:
         new = statistics(tagged, params, batch, stats_key, states,
                          estimation=estimation, num_samples=num_samples,
                          stats_fraction=stats_fraction, axis_name=axis_name)
-      return accumulate(layers, states, new, cov_decay)
+      return accumulate(layers, states, new[0], cov_decay), jnp.asarray(
+          new[1], dtype)
 
-    if cov_every == 1:
-      states = statistics_and_accumulate(state.blocks)
-    else:
-      states = jax.lax.cond(state.count % cov_every == 0,
-                            statistics_and_accumulate, lambda st: st,
-                            state.blocks)
+    due = state.count % cov_every == 0
+    states, seen = (statistics_and_accumulate(state.blocks) if cov_every == 1
+                    else jax.lax.cond(due, statistics_and_accumulate, lambda st:
+                                      (st, jnp.zeros((), dtype)), state.blocks))
+    seen = ((seen, due & (stats is None)) if loss is None else
+            (jax.lax.pmean(loss, axis_name) if axis_name else loss, True))
     states = refresh(layers, states, lam, damping_ok,
                      is_refresh_step(state.count, inverse_every), state.count,
                      precon_power=precon_power, inverse_method=inverse_method,
@@ -502,22 +522,11 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     out = precondition(layers, states, leaves, lam, precon_power)
     scale = clip(out, leaves, norm_constraint, dtype)
     out, grads_ok, update_ok = guard(out, leaves, damping_ok, scale)
-    good = grads_ok & damping_ok
-    count = lambda x: x.astype(jnp.int32)
-    norm = jnp.sqrt(sum((jnp.vdot(p, p).real.astype(dtype)
-                         for p in jax.tree.leaves(params)),
-                        jnp.zeros((), dtype)))
-    new_state = KfacState(
+    new_state = state._replace(
         count=state.count + 1, key=key, blocks=states,
-        num_bad_grads=state.num_bad_grads + count(~grads_ok),
-        num_bad_updates=state.num_bad_updates + count(good & ~update_ok),
-        num_bad_damping=state.num_bad_damping + count(~damping_ok),
-        num_nonfinite_params=state.num_nonfinite_params
-        + count(~fac.all_finite(params)),
-        num_clipped=state.num_clipped + count(good & update_ok & (scale < 1)),
-        param_norm_first=jnp.where(state.count == 0, norm,
-                                   state.param_norm_first),
-        param_norm=norm)
+        stats_due=((state.count + 1) % cov_every == 0).astype(jnp.int32),
+        **_health_state.counted(state, params, grads_ok, update_ok,
+                                damping_ok, scale < 1, seen, dtype))
     return jax.tree.unflatten(treedef, out), new_state
 
   update_fn.layers = tagged_for

@@ -51,7 +51,10 @@ from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
 
 ACTIVATIONS = "activations"
+"""``Block.consumes`` of a block that reads the layer's inputs and output
+cotangents (``LayerData``)."""
 GRADIENTS = "gradients"
+"""``Block.consumes`` of a block that reads per-parameter gradients."""
 
 
 class LayerData(NamedTuple):

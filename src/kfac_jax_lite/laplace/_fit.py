@@ -27,6 +27,7 @@ BLOCKWISE = {
              "scale_and_shift": "diagonal", "fallback": "naive_diagonal"},
 }
 STRUCTURES = tuple(BLOCKWISE) + ("full",)
+"""The ``structure`` choices of ``fit``: ``"kron"``, ``"diag"``, ``"full"``."""
 
 _add = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b))
 

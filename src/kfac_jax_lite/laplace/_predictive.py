@@ -99,7 +99,10 @@ def predictive(post: P.Posterior, apply_fn, x, prior_precision, *,
     mean and covariance ``[N, O, O]``.
 
   Args:
-    post, apply_fn, x, prior_precision: as for ``glm_moments``.
+    post: as for ``glm_moments``.
+    apply_fn: as for ``glm_moments``.
+    x: as for ``glm_moments``.
+    prior_precision: as for ``glm_moments``.
     method: ``"glm"`` or ``"mc"``.
     link: ``"probit"`` or ``"mc"`` for a GLM classifier; None (probit)
       otherwise.

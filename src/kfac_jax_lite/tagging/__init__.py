@@ -53,7 +53,13 @@ its size is not the batch's (a time-major ``lax.scan`` over ``[T, B, D]``,
 ``h.reshape(-1, d)`` merging batch and time) the layer keeps its Kronecker
 block under the expand convention: every row of its input is a use of one
 pseudo-example whose loss weight is the examples' mean (``Layer.row_uses``,
-noted in ``describe``). Rows of a table looked up without an example axis
+noted in ``describe``). Time-major data says so with ``example_axis=``
+(``find_layers``): the loss is traced again with the batch's example axes
+one longer, and the activation axis of each use (and the values' axis of
+each loss) whose size changed is its example axis, relabelled first;
+without it, ``describe`` says when the leading axis was a guess
+(``_examples.guess_hints``), and detection warns when a ``lax.scan``
+runs over it (one more trace, with that axis one longer). Rows of a table looked up without an example axis
 (a position embedding ``pos[jnp.arange(T)]``) and added to every example
 are an embedding whose ids are broadcast over the batch: the probe goes on
 the sum, where each example has its own cotangent (through a ``jit``

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 from jax import lax
 
+from kfac_jax_lite.tagging import _joined
 from kfac_jax_lite.tagging import _matching
 from kfac_jax_lite.tagging import _penalties
+from kfac_jax_lite.tagging import _scaled
 from kfac_jax_lite.tagging import _views
 from kfac_jax_lite.tagging._penalties import Penalty, Tail
 from kfac_jax_lite.tagging._views import Regrouped, Sliced, View
@@ -70,7 +71,8 @@ def inner_jaxpr(eqn):
   return j, ()
 
 
-class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
+class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
+               _joined.JoinedMatching):
 
   def __init__(self):
     self.uses: list[Use] = []
@@ -80,7 +82,11 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
   # --------------------------------------------------------------- helpers
   def _opaque(self, view, reason, where):
     """Record an unmatched use of ``view``'s leaf (a ``Tail``: of the
-    leaves of its penalties)."""
+    leaves of its penalties; a ``Joined``: of its parts)."""
+    if isinstance(view, _joined.Joined):
+      for part in view.parts:
+        self._opaque(part, reason, where)
+      return
     if isinstance(view, Tail):
       for pid, _ in view.terms:
         self._opaque(self.penalties[pid], reason, where)
@@ -123,6 +129,10 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
           new = _penalties.layout(views[0], eqn)
           if new is None:
             self._opaque(views[0], "a penalty broadcast into the model", where)
+        elif isinstance(views[0], _joined.Joined):
+          new = _joined.apply_layout(views[0], eqn)
+          if new is None:
+            self._opaque(views[0], f"concatenated, then `{name}`", where)
         elif isinstance(views[0], Regrouped):
           new = views[0] if name in _views.IDENTITY_PRIMS else (
               _penalties.as_derived(views[0], views[0].how))
@@ -140,6 +150,10 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
         # use of the slice is a column block of the whole kernel's layer.
         for ov, view in zip(eqn.outvars, _views.slice_views(views[0], eqn)):
           env[ov] = view
+      elif _scaled.scaled_view(eqn, views, key, jaxpr) is not None:
+        env[eqn.outvars[0]] = _scaled.scaled_view(eqn, views, key, jaxpr)
+      elif _joined.join(views, eqn) is not None:  # Kernels concatenated.
+        env[eqn.outvars[0]] = _joined.join(views, eqn)
       elif inner_jaxpr(eqn) is not None:
         inner, _ = inner_jaxpr(eqn)
         if len(inner.invars) != len(eqn.invars):
@@ -167,6 +181,10 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
             self.walk(br.jaxpr, views[1:], key + (b,), levels, sub, in_while)
       elif tracked or _penalties.starts(eqn, views):
         self._tracked(eqn, views, ctx)
+        out = env.get(eqn.outvars[0])
+        if _scaled.normalised_by_itself(eqn, views, out):  # Weight norm.
+          env[eqn.outvars[0]] = dataclasses.replace(
+              out, how=_scaled.FUNCTION_OF_ITSELF)
       else:
         pending.append(i)
     for i in pending:
@@ -222,7 +240,16 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
     env = ctx["env"]
     views = [env.get(v) if _is_var(v) else None for v in eqn.invars]
     name = eqn.primitive.name
-    if name != "dot_general" and any(isinstance(v, Regrouped) for v in views):
+    if any(getattr(v, "scales", ()) for v in views) and name not in (
+        "dot_general", "conv_general_dilated"):
+      fn = lambda *_: ("scaled by a stop-gradient scalar before "
+                       f"`{name}` (only dense and conv kernels take it)")
+    elif name in ("mul", "div") and _scaled.scaled_by_scalar(eqn, views):
+      fn = lambda *_: _scaled.NOT_STOPPED
+    elif name != "dot_general" and any(isinstance(v, _joined.Joined)
+                                       for v in views):
+      fn = lambda *_: f"concatenated with other parameters before `{name}`"
+    elif name != "dot_general" and any(isinstance(v, Regrouped) for v in views):
       fn = lambda *_: f"reshaped by `reshape` before `{name}`"
     elif name != "dot_general" and any(isinstance(v, Sliced) for v in views):
       fn = self._sliced_rows  # ``x + pos[:t]``, else the reason.
@@ -260,6 +287,8 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
     kv = views[k]
     if isinstance(kv, Regrouped):
       return self._dense_regrouped(i, eqn, k, kv, ctx)
+    if isinstance(kv, _joined.Joined):
+      return self._dense_joined(i, eqn, k, kv, ctx)
     sliced = isinstance(kv, Sliced)
     if not kv.pure and not (sliced and None not in kv.dims):
       return "broadcast or reshaped before dot_general"
@@ -323,7 +352,8 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
       ctx["claimed"].add(j)
       roles["bias"] = bview
       probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
-    self._record("dense", roles, ctx, i, ("var", x), x.aval, probe_i,
+    self._record("dense", roles, ctx, i, _scaled.capture(x, kv), x.aval,
+                 probe_i,
                  probe_aval, in_labels, labels, config)
 
   def _conv(self, i, eqn, views, ctx):
@@ -344,11 +374,15 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
     roles = {"kernel": kv}
     probe_i, probe_aval, labels = i, out.aval, out_labels
     found = self._bias_add(out, tuple(out_labels), ctx, {("c", dn.out_spec[1])})
-    if found is not None and tuple(
-        ctx["jaxpr"].eqns[found[0]].outvars[0].aval.shape) != tuple(out.aval.shape):
+    if found is not None and (tuple(ctx["jaxpr"].eqns[found[0]].outvars[
+        0].aval.shape) != tuple(out.aval.shape) or any(
+            l != m and not (l == ("u",) and n == 1) for l, m, n in
+            zip(found[2], out_labels, out.aval.shape))):
       # The conv block reads cotangents in the conv's output layout: a bias
       # added after a reshape or slice stays a block of its own (a shift).
       found = None
+    elif found is not None:  # Unit axes moved (one output channel, vmap).
+      found = found[:2] + (out_labels,)
     if found is not None:
       j, bview, labels = found
       ctx["claimed"].add(j)
@@ -367,61 +401,10 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
             tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)),
         feature_group_count=p["feature_group_count"],
         precision=p.get("precision"))
-    self._record("conv", roles, ctx, i, ("var", lhs), lhs.aval, probe_i,
+    self._record("conv", roles, ctx, i, _scaled.capture(lhs, kv), lhs.aval,
+                 probe_i,
                  probe_aval, in_labels, labels, config,
                  examples=lhs.aval.shape[dn.lhs_spec[0]])
-    return None
-
-  def _gather(self, i, eqn, views, ctx):
-    if views[1] is not None:
-      return "used as gather indices"
-    tv = views[0]
-    ind = eqn.invars[1]
-    dn = eqn.params["dimension_numbers"]
-    shape = tuple(eqn.invars[0].aval.shape)
-    sizes = tuple(eqn.params["slice_sizes"])
-    if (not tv.pure or len(shape) != 2 or dn.operand_batching_dims
-        or not np.issubdtype(ind.aval.dtype, np.integer)):
-      return "a gather that is not an embedding lookup"
-    va = [a for a in range(2) if sizes[a] == 1 and sizes[1 - a] == shape[1 - a]]
-    va = [a for a in va if a in dn.start_index_map]
-    if len(va) != 1 or shape[va[0]] == 1:
-      return "a gather that is not a row lookup of a 2-D table"
-    va = va[0]
-    if tv.dims[va] != len(tv.stacked):
-      return "an embedding table gathered along its second axis"
-    pos = list(dn.start_index_map).index(va)
-    n_idx = len(ind.aval.shape) - 1
-    out = eqn.outvars[0]
-    on = len(out.aval.shape)
-    kept = [a for a in range(2) if a not in dn.collapsed_slice_dims]
-    out_labels, b = [], 0
-    for q in range(on):
-      if q in dn.offset_dims:
-        a = kept[list(dn.offset_dims).index(q)]
-        out_labels.append(("u",) if a == va else ("k", tv.dims[a]))
-      else:
-        out_labels.append(("b", b))
-        b += 1
-    in_labels = [("b", j) for j in range(n_idx)] + [("iv", pos)]
-    capture, cap_aval, probe_i, probe_aval = ("var", ind), ind.aval, i, out.aval
-    site = self._broadcast_site(out, tuple(out_labels), ctx)
-    if site is not None:
-      # Rows looked up without an example axis (``pos[jnp.arange(T)]``) and
-      # added to every example: probe the sum, where each example has its
-      # own cotangent, and broadcast the ids over the new leading axes.
-      probe_i, probe_aval, out_labels, new_sizes = site  # A full key.
-      m = len(new_sizes)
-      in_labels = [("b", j) for j in range(m)] + [
-          ("b", l[1] + m) if l[0] == "b" else l for l in in_labels]
-      shape = tuple(new_sizes) + tuple(ind.aval.shape)
-      capture = ("var", ind, shape)
-      cap_aval = ind.aval.update(shape=shape)
-    elif n_idx == 0:
-      return "an embedding lookup with no example axis"
-    self._record("embedding", {"table": tv}, ctx, i, capture, cap_aval,
-                 probe_i, probe_aval, in_labels, out_labels,
-                 dict(vocab_size=shape[va], dim=shape[1 - va], id_pos=pos))
     return None
 
   def _mul(self, i, eqn, views, ctx):
@@ -461,7 +444,7 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching):
       e3 = ctx["jaxpr"].eqns[j]
       w = [v for v in e3.invars if v is not y]
       hv = ctx["env"].get(w[0]) if len(w) == 1 and _is_var(w[0]) else None
-      if (e3.primitive.name == "add" and isinstance(hv, View) and hv.leaf != sv.leaf
+      if (e3.primitive.name == "add" and _scaled.plain(hv) and hv.leaf != sv.leaf
           and hv.stacked == sv.stacked
           and tuple(e3.outvars[0].aval.shape) == shape
           and hv.nonunit(shape) == nonunit and hv.covers(shape)):

@@ -103,8 +103,9 @@ def loss_lines(tagged):
   if tagged.unrecognised:
     lines.append("loss terms not recognised (no curvature from them): "
                  + "; ".join(tagged.unrecognised))
-  if not tagged.losses:
+  if not tagged.losses or tagged.examples.how == "example_axis=":
     lines.append(tagged.examples.describe())
+  lines.extend(tagged.examples.hints)
   return tuple(lines)
 
 
@@ -121,10 +122,14 @@ def _sharing(layer, block):
 
 def describe(loss_fn, params, batch, *, has_aux=False, exclude=(),
              blocks=None, damping_mode="pi", weight_sharing="expand",
-             estimation=None):
+             estimation=None, example_axis=None):
   """The curvature blocks of ``loss_fn``'s layers, as rows.
 
-  ``has_aux``/``exclude`` are those of ``find_layers``; ``blocks``,
+  ``has_aux``/``exclude``/``example_axis`` are those of ``find_layers``
+  (``example_axis``: which axis of the batch's leaves holds the examples;
+  without it, when that is not determined, e.g. time-major ``[T, B]``
+  data with ``T = B``, a line says which axis was taken and how to say
+  another); ``blocks``,
   ``damping_mode`` and ``weight_sharing`` those of ``make_blocks`` (and of
   ``kfl.kfac``). Prints as a table; fallbacks carry their reason; the last
   lines say which loss was found (registered, or recognised in the jaxpr:
@@ -135,7 +140,7 @@ def describe(loss_fn, params, batch, *, has_aux=False, exclude=(),
   from kfac_jax_lite import estimators
   from kfac_jax_lite.tagging._tagged import find_layers
   tagged = find_layers(loss_fn, params, batch, has_aux=has_aux,
-                       exclude=exclude)
+                       exclude=exclude, example_axis=example_axis)
   if estimation is not None:
     estimators.check_estimation(estimation)
     estimators.check_has_loss(tagged, estimation, "kfl.describe")

@@ -17,6 +17,15 @@ takes as examples:
 
 Leaves without a leading axis (scalars, typed PRNG keys) are never
 examples. ``describe`` prints which leaves were taken.
+
+``example_axis=`` (of ``kfl.kfac``, ``kfl.describe``, ...; ``resolve``)
+says it instead: an int (that axis of every leaf with any axis) or a
+pytree of the batch's structure with an int or None (no examples) per
+leaf. Time-major data ``[T, B]`` then has ``example_axis=1``. When the
+choice was not said and is not determined (a leaf has another axis of the
+examples' size: ``T = B``; or the layers' example axis is a later axis of
+a leaf), ``ExampleAxis.hints`` says what was taken and how to change it
+(and ``TaggedLoss`` warns when a ``lax.scan`` runs over the axis taken).
 """
 from __future__ import annotations
 
@@ -39,12 +48,22 @@ class ExampleAxis:
   names: tuple
   others: tuple
   how: str
+  #: Per example leaf (in ``leaves``' order), its example axis (0 unless
+  #: ``example_axis=`` said otherwise).
+  axes: tuple = ()
+  #: What ``describe`` adds when the choice was a guess (module doc).
+  hints: tuple = ()
+
+  def axis_of(self, k):
+    """The example axis of the ``k``-th example leaf."""
+    return self.axes[k] if self.axes else 0
 
   def count(self, batch):
-    """``N`` of ``batch`` (same structure): the leading size of its example
-    leaves, which must agree."""
+    """``N`` of ``batch`` (same structure): the size of its example leaves'
+    example axes, which must agree."""
     leaves = jax.tree.leaves(batch)
-    sizes = {np.shape(leaves[i])[0] for i in self.leaves}
+    sizes = {np.shape(leaves[i])[self.axis_of(k)]
+             for k, i in enumerate(self.leaves)}
     if len(sizes) != 1:
       raise ValueError(
           "estimation='empirical' without a recognised loss needs the batch's "
@@ -56,13 +75,133 @@ class ExampleAxis:
     if self.size is None:
       return "examples: none found (no batch leaf has a leading axis)"
     rest = f"; not examples: {', '.join(self.others)}" if self.others else ""
-    return (f"examples: the leading axis (N={self.size}) of "
+    axes = set(self.axes) or {0}
+    which = ("the leading axis" if axes == {0} else f"axis {axes.pop()}"
+             if len(axes) == 1 else "the example axes")
+    return (f"examples: {which} (N={self.size}) of "
             f"{', '.join(self.names)} ({self.how}){rest}")
 
 
 def _name(path):
   from kfac_jax_lite.tagging._tagged import path_name
   return "batch" + ("/" + path_name(path) if path else "")
+
+
+def resolve(batch, example_axis):
+  """Per batch leaf (``jax.tree.leaves`` order), its example axis (an int
+  ≥ 0) or None, from ``example_axis`` (module doc). Raises ``ValueError``
+  for a value that is not an int, None or such a pytree, an axis a leaf
+  does not have, or example axes whose sizes differ."""
+  flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+  treedef = jax.tree.structure(batch)
+  if _is_axis(example_axis):
+    per_leaf = [example_axis if np.ndim(x) > 0 else None for _, x in flat]
+  else:
+    try:
+      per_leaf = treedef.flatten_up_to(example_axis)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          "example_axis must be an int, or a pytree of the batch's structure "
+          f"({treedef}) with an int or None per leaf; got {example_axis!r} "
+          f"({e})") from None
+  out = []
+  for (path, x), a in zip(flat, per_leaf):
+    if a is None:
+      out.append(None)
+      continue
+    if not _is_axis(a):
+      raise ValueError(f"example_axis for {_name(path)} must be an int or "
+                       f"None, got {a!r}")
+    nd = np.ndim(x)
+    if not -nd <= a < nd:
+      raise ValueError(f"example_axis={a} for {_name(path)}, which has "
+                       f"shape {tuple(np.shape(x))}: no such axis")
+    out.append(a % nd)
+  sizes = {np.shape(x)[a] for (_, x), a in zip(flat, out) if a is not None}
+  if not sizes:
+    raise ValueError(f"example_axis={example_axis!r} names no axis of the "
+                     "batch's leaves")
+  if len(sizes) > 1:
+    raise ValueError("example_axis: the example axes of the batch's leaves "
+                     f"differ in size ({sorted(sizes)}); " + ", ".join(
+                         f"{_name(p)} {tuple(np.shape(x))} axis {a}"
+                         for (p, x), a in zip(flat, out) if a is not None))
+  return tuple(out)
+
+
+def _is_axis(a):
+  return isinstance(a, (int, np.integer)) and not isinstance(a, bool)
+
+
+def moved(batch, axes, size):
+  """``batch`` (arrays or ``ShapeDtypeStruct``s) as abstract values, its
+  example axes (``resolve``) of size ``size``: the batch ``TaggedLoss``
+  traces a second time to see which axis of every layer's input and every
+  loss's values the examples are."""
+  leaves, treedef = jax.tree.flatten(batch)
+  out = []
+  for x, a in zip(leaves, axes):
+    shape = list(np.shape(x))
+    if a is not None:
+      shape[a] = size
+    out.append(jax.ShapeDtypeStruct(tuple(shape), jax.numpy.result_type(x)))
+  return jax.tree.unflatten(treedef, out)
+
+
+def given(batch, axes):
+  """The ``ExampleAxis`` of ``batch`` with ``axes`` from ``resolve``."""
+  flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+  names = [_name(p) for p, _ in flat]
+  chosen = tuple(i for i, a in enumerate(axes) if a is not None)
+  size = np.shape(flat[chosen[0]][1])[axes[chosen[0]]]
+  return ExampleAxis(size, chosen, tuple(names[i] for i in chosen),
+                     tuple(n for i, n in enumerate(names) if i not in chosen),
+                     "example_axis=", tuple(axes[i] for i in chosen))
+
+
+def guess_hints(axis, batch, uses=()):
+  """``axis`` (from ``find``) with its ``hints``: a leaf with another axis
+  of the examples' size (``T = B``: which was taken is a guess) that a
+  layer sees as a sequence axis, or layer
+  inputs whose example axis is not the batch's but has the size of a later
+  axis of an example leaf (time-major data with ``T ≠ B``)."""
+  if axis.size is None:
+    return axis
+  leaves = jax.tree.leaves(batch)
+  hints = []
+  # Only when some layer sees a second axis of that size that is not a
+  # feature axis (a later activation axis, or a scan's length): a square
+  # ``[N, N]`` input of a dense layer, or a conv's ``[N, N, N, C]``, is
+  # not ambiguous.
+  n = axis.size
+  seen = any(
+      any(l[0] == "b" and l != ("b", 0) and m == n
+          for l, m in zip(u.out_labels, u.probe_aval.shape))
+      or any(m == n for _, m in u.levels) for u in uses)
+  for k, i in enumerate(axis.leaves):
+    shape = np.shape(leaves[i])
+    same = [a for a, m in enumerate(shape) if m == n and a != 0]
+    if same and seen:
+      hints.append(
+          f"example axis ambiguous: {axis.names[k]} {list(shape)} has axes 0 "
+          f"and {same[0]} of size {axis.size}; took axis 0 (the leading one) "
+          f"as the examples. If the examples are on axis {same[0]} "
+          f"(time-major data), pass example_axis={same[0]}")
+      break
+  other = {u.examples for u in uses} - {axis.size, None}
+  for k, i in enumerate(axis.leaves):
+    if hints:
+      break
+    shape = np.shape(leaves[i])
+    later = [a for a, n in enumerate(shape) if a > 0 and n in other]
+    if later:
+      a = later[0]
+      hints.append(
+          f"example axis unknown for layers whose inputs have {shape[a]} "
+          f"rows of examples: took axis 0 of {axis.names[k]} {list(shape)}; "
+          f"if its axis {a} holds the examples (time-major data), pass "
+          f"example_axis={a}")
+  return dataclasses.replace(axis, hints=tuple(hints))
 
 
 def find(batch, uses=()):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kfac_jax_lite.tagging import _analysis
+from kfac_jax_lite.tagging import _scaled
 from kfac_jax_lite.tagging import _vma
 
 
@@ -27,6 +28,8 @@ class Plan:
   def __init__(self, uses, losses=()):
     self.uses = {u.uid: u for u in uses}
     self.captures, self.probes, self.inside = {}, {}, {}
+    # Stop-gradient scales of kernels (``_scaled``): read where multiplied.
+    self.saves, self.saved = {}, {}
     # Registered losses: the tag's annotations are captured and its output
     # (the per-element loss values) is probed, under a negative uid.
     self.losses = {}
@@ -35,6 +38,11 @@ class Plan:
       for n in range(1, len(key), 2):
         self.inside.setdefault(key[:n], set()).add(uid)
     for u in uses:
+      if u.capture is not None and u.capture[0] == "scaled":
+        for key, idx, _ in u.capture[2]:
+          self.saves[key] = idx
+          for n in range(1, len(key), 2):
+            self.inside.setdefault(key[:n], set()).add(u.uid)
       if u.capture_key is not None:
         self.captures.setdefault(u.capture_key, []).append(u.uid)
       self.probes.setdefault(u.probe_key, []).append(u.uid)
@@ -58,10 +66,15 @@ class Plan:
     return _vma.zeros(shape, u.capture_aval.dtype, u.capture_aval)
 
 
-def _read_capture(spec, read):
+def _read_capture(spec, read, saved):
   if spec[0] == "iota":  # Ids ``lo, lo + 1, ...`` along ``axis`` of ``shape``.
     _, lo, shape, axis = spec
     return lo + lax.broadcasted_iota(jnp.int32, shape, axis)
+  if spec[0] == "slice":  # An input slice (a kernel joined along its input).
+    _, v, axis, lo, hi = spec
+    return lax.slice_in_dim(read(v), lo, hi, axis=axis)
+  if spec[0] == "scaled":
+    return _scaled.read_scaled(read(spec[1]), spec[2], saved)
   if spec[0] == "var":
     x = read(spec[1])
     return jnp.broadcast_to(x, spec[2]) if len(spec) > 2 else x
@@ -91,14 +104,18 @@ def run(plan, jaxpr, consts, args, prefix, probes, caps):
   for i, eqn in enumerate(jaxpr.eqns):
     key = prefix + (i,)
     for uid in plan.captures.get(key, ()):
-      caps[uid] = _read_capture(plan.uses[uid].capture, read)
+      caps[uid] = _read_capture(plan.uses[uid].capture, read, plan.saved)
     invals = [read(v) for v in eqn.invars]
+    if key in plan.saves:
+      plan.saved[key] = invals[plan.saves[key]]
     if key in plan.inside:
       outs = _nested(plan, eqn, invals, key, probes, caps)
     else:
       outs = bind_equation(eqn, invals)
     for uid in plan.probes.get(key, ()):
-      outs[0] = outs[0] + probes[uid].astype(outs[0].dtype)
+      pad = plan.uses[uid].config.get("probe_pad")
+      pr = probes[uid].astype(outs[0].dtype)
+      outs[0] = outs[0] + (pr if pad is None else jnp.pad(pr, pad))
     if key in plan.losses:
       uid = plan.losses[key]
       caps[uid] = tuple(invals[1:])  # The model outputs, then the targets.

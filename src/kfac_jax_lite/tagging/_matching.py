@@ -7,7 +7,8 @@ a sliced bias, a per-head bias along a ``dot_general`` batch axis), the
 ``add`` that broadcasts a table looked up without an example axis against
 every example, a kernel reshaped by splitting or merging axes
 (``_views.Regrouped``) in a ``dot_general``, the rows of a table sliced and
-added to every example (``x + pos[:t]``), and the token that names a
+added to every example (``x + pos[:t]``), an embedding lookup
+(``gather`` of a table's rows), and the token that names a
 layer input (slices of one kernel applied to the same input are one
 layer). ``ViewMatching`` is a mixin of ``_analysis.Analysis``: its
 methods take the walk's context ``ctx`` (the jaxpr, the views of its
@@ -74,7 +75,7 @@ class ViewMatching:
       if len(other) != 1 or not _is_var(other[0]):
         continue
       bview = ctx["env"].get(other[0])
-      if not isinstance(bview, View):
+      if not isinstance(bview, View) or getattr(bview, "scales", ()):
         continue
       shape = tuple(eqn.outvars[0].aval.shape)
       if shape != tuple(v.aval.shape):
@@ -197,6 +198,58 @@ class ViewMatching:
           for k, l in enumerate(labels))
       return (ctx["prefix"] + (j,), out, out_labels,
               tuple(out.shape[k] for k in new))
+
+  def _gather(self, i, eqn, views, ctx):
+    if views[1] is not None:
+      return "used as gather indices"
+    tv = views[0]
+    ind = eqn.invars[1]
+    dn = eqn.params["dimension_numbers"]
+    shape = tuple(eqn.invars[0].aval.shape)
+    sizes = tuple(eqn.params["slice_sizes"])
+    if (not tv.pure or len(shape) != 2 or dn.operand_batching_dims
+        or not np.issubdtype(ind.aval.dtype, np.integer)):
+      return "a gather that is not an embedding lookup"
+    va = [a for a in range(2) if sizes[a] == 1 and sizes[1 - a] == shape[1 - a]]
+    va = [a for a in va if a in dn.start_index_map]
+    if len(va) != 1 or shape[va[0]] == 1:
+      return "a gather that is not a row lookup of a 2-D table"
+    va = va[0]
+    if tv.dims[va] != len(tv.stacked):
+      return "an embedding table gathered along its second axis"
+    pos = list(dn.start_index_map).index(va)
+    n_idx = len(ind.aval.shape) - 1
+    out = eqn.outvars[0]
+    on = len(out.aval.shape)
+    kept = [a for a in range(2) if a not in dn.collapsed_slice_dims]
+    out_labels, b = [], 0
+    for q in range(on):
+      if q in dn.offset_dims:
+        a = kept[list(dn.offset_dims).index(q)]
+        out_labels.append(("u",) if a == va else ("k", tv.dims[a]))
+      else:
+        out_labels.append(("b", b))
+        b += 1
+    in_labels = [("b", j) for j in range(n_idx)] + [("iv", pos)]
+    capture, cap_aval, probe_i, probe_aval = ("var", ind), ind.aval, i, out.aval
+    site = self._broadcast_site(out, tuple(out_labels), ctx)
+    if site is not None:
+      # Rows looked up without an example axis (``pos[jnp.arange(T)]``) and
+      # added to every example: probe the sum, where each example has its
+      # own cotangent, and broadcast the ids over the new leading axes.
+      probe_i, probe_aval, out_labels, new_sizes = site  # A full key.
+      m = len(new_sizes)
+      in_labels = [("b", j) for j in range(m)] + [
+          ("b", l[1] + m) if l[0] == "b" else l for l in in_labels]
+      shape = tuple(new_sizes) + tuple(ind.aval.shape)
+      capture = ("var", ind, shape)
+      cap_aval = ind.aval.update(shape=shape)
+    elif n_idx == 0:
+      return "an embedding lookup with no example axis"
+    self._record("embedding", {"table": tv}, ctx, i, capture, cap_aval,
+                 probe_i, probe_aval, in_labels, out_labels,
+                 dict(vocab_size=shape[va], dim=shape[1 - va], id_pos=pos))
+    return None
 
   def _sliced_rows(self, i, eqn, views, ctx):
     """``x + pos[lo:hi]``: rows of a 2-D table sliced along its first axis

@@ -287,7 +287,12 @@ class PenaltyWalk:
         k = 1.0 if name in ("add", "add_any", "sub") else None
         vals[j] = Tail(((pen.pid, k),))   # tail_step applies the sign
       elif isinstance(v, (Derived, View)):
-        how = v.how if isinstance(v, Derived) else "combined with a penalty"
+        how = v.how if isinstance(v, Derived) else (
+            "the gain of a kernel normalised by its own norm (weight norm's "
+            "g), which falls back" if any(
+                isinstance(w, Derived) and w.how.startswith(
+                    "scaled by a differentiable") for w in values)
+            else "combined with a penalty")
         self._opaque(v, f"{how}, then `{name}`", where)
         vals[j] = None
     if any(isinstance(v, Tail) for v in vals):

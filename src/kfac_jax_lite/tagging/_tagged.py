@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -94,6 +95,9 @@ class LossTag:
   values_vma: frozenset = frozenset()  # under shard_map(check_vma=True)
   # A loss recognised in the jaxpr (``_losses.Recognised``); None: registered.
   recognised: Any = None
+  # The axis of the per-element values that is the examples' (not 0 only
+  # with ``example_axis=``: ``TaggedLoss._locate_examples``).
+  example_axis: int = 0
 
   def split(self, captures):
     """``(outputs, targets)``: this loss's captured model outputs and
@@ -152,18 +156,33 @@ class TaggedLoss:
   one ``jax.vjp`` of ``apply``: one forward pass.
   """
 
-  def __init__(self, loss_fn, params, batch, *, has_aux=False, exclude=()):
+  def __init__(self, loss_fn, params, batch, *, has_aux=False, exclude=(),
+               example_axis=None):
     self.loss_fn = loss_fn
     self.has_aux = has_aux
     self.param_treedef, self.paths, self.leaf_shapes = _check_params(params)
     self.batch_treedef = jax.tree.structure(batch)
     # ``_losses.recognise``'s verified heads, across re-traces.
     self._heads_memo = _loss_heads.Memo()
+    # ``example_axis=``: per use uid, its labels renamed so that the
+    # examples' axis is ``("b", 0)``; per loss index, its values' example
+    # axis (``_locate_examples``; applied to every trace).
+    self._relabels, self._loss_axes = {}, {}
+    axes = (None if example_axis is None
+            else _examples.resolve(batch, example_axis))
     tr = self._trace(params, batch)
-    self._uses = tr.uses
     #: Which batch leaves hold the examples (``_examples``): the empirical
     #: estimation without a loss reads N from them.
-    self.examples = _examples.find(batch, tr.uses)
+    if axes is None:
+      self.examples = _examples.guess_hints(_examples.find(batch, tr.uses),
+                                            batch, tr.uses)
+      if self.examples.hints:
+        self._scanned_examples(tr, params, batch)
+    else:
+      self.examples = _examples.given(batch, axes)
+      if any(a not in (None, 0) for a in axes):
+        tr = self._locate_examples(tr, params, batch, axes)
+    self._uses = tr.uses
     self.layers, self.excluded = _layers.build_layers(
         tr.uses, tr.opaque, self.paths, self.leaf_shapes, self.examples.size,
         tuple(exclude), tr.penalties)
@@ -239,10 +258,85 @@ class TaggedLoss:
     tags = [LossTag(-1 - j, key, eqn.params["distribution"],
                     eqn.params["num_outputs"], tuple(eqn.outvars[0].aval.shape),
                     eqn.outvars[0].aval.dtype,
-                    _vma.aval_vma(eqn.outvars[0].aval), records.get(id(eqn)))
+                    _vma.aval_vma(eqn.outvars[0].aval), records.get(id(eqn)),
+                    self._loss_axes.get(j, 0))
             for j, (key, eqn) in enumerate(find_loss_tags(closed.jaxpr))]
+    for u in uses:
+      _relabel(u, self._relabels.get(u.uid))
     return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags,
                   penalties, unrecognised)
+
+  def _scanned_examples(self, tr, params, batch):
+    """When the leading axis was a guess (``ExampleAxis.hints``): trace
+    once more with it one longer; if a ``lax.scan`` that applies a layer
+    gets longer, the axis taken as the examples is a time axis (time-major
+    data): say so in the hint and warn (``UserWarning``), as the
+    statistics will be those of time steps as examples."""
+    ex = self.examples
+    axes = [None] * len(jax.tree.leaves(batch))
+    for i in ex.leaves:
+      axes[i] = 0
+    try:
+      other = self._trace(params, _examples.moved(batch, axes, ex.size + 1))
+    except Exception:  # noqa: BLE001 (a loss tied to its batch size)
+      return
+    if len(other.uses) != len(tr.uses) or not any(
+        [n for _, n in u.levels] != [n for _, n in v.levels]
+        for u, v in zip(tr.uses, other.uses)):
+      return
+    hint = (f"{ex.hints[0]}. A lax.scan runs over the axis taken (the "
+            "data look time-major)")
+    self.examples = dataclasses.replace(ex, hints=(hint,) + ex.hints[1:])
+    warnings.warn(f"kfac_jax_lite: {hint}", UserWarning, stacklevel=4)
+
+  def _locate_examples(self, tr, params, batch, axes):
+    """``tr`` with the examples' axis of every layer use and loss found
+    for ``example_axis=`` (``axes`` per batch leaf, from
+    ``_examples.resolve``): the loss is traced again with the example axes
+    one longer, and the axis of each use's output (each loss's values)
+    whose size changed is the examples'. A use whose example axis is a
+    later activation axis is relabelled to make it ``("b", 0)`` (the
+    layer's data then has the examples first, ``_format.arrange``); a use
+    whose changed axis is not the examples' alone (``h.reshape(-1, d)``
+    merging them with time) keeps its labels (its rows are uses,
+    ``Layer.row_uses``). When the loss does not trace at that size (or
+    traces to other layers), the first activation axis of the examples'
+    size is taken as theirs."""
+    n = self.examples.size
+    try:
+      other = self._trace(params, _examples.moved(batch, axes, n + 1))
+      if [_signature(u) for u in other.uses] != [_signature(u)
+                                                 for u in tr.uses]:
+        other = None
+    except Exception:  # noqa: BLE001 (a loss tied to its batch size)
+      other = None
+    if other is None:
+      self.examples = dataclasses.replace(self.examples, hints=(
+          f"example axis guessed: the loss does not trace the same with "
+          f"{n + 1} examples, so each layer's example axis is its first "
+          f"activation axis of size {n}",))
+    for u in tr.uses:
+      shape = u.probe_aval.shape
+      if other is not None:
+        changed = [j for j, (a, b) in enumerate(zip(
+            shape, other.uses[u.uid].probe_aval.shape)) if a != b]
+      else:
+        changed = [j for j, l in enumerate(u.out_labels)
+                   if l[0] == "b" and shape[j] == n][:1]
+      if len(changed) != 1 or shape[changed[0]] != n:
+        continue
+      label = u.out_labels[changed[0]]
+      if label[0] == "b" and label[1] > 0:
+        m = label[1]
+        self._relabels[u.uid] = {("b", k): ("b", k + 1 if k < m else 0)
+                                 for k in range(m + 1)}
+    if other is not None:
+      for j, (t, t2) in enumerate(zip(tr.losses, other.losses)):
+        changed = [k for k, (a, b) in enumerate(zip(
+            t.values_shape, t2.values_shape)) if a != b]
+        if len(changed) == 1:
+          self._loss_axes[j] = changed[0]
+    return self._trace(params, batch)
 
   def _recognise(self, closed, params, batch):
     """``_losses.recognise`` of the traced ``closed``. A head too large to
@@ -425,12 +519,31 @@ class TaggedLoss:
     return out
 
 
+def _relabel(use, mapping):
+  """Rename ``use``'s axis labels by ``mapping`` (in place), and set its
+  example size to that of its new ``("b", 0)`` axis."""
+  if not mapping:
+    return
+  use.in_labels = tuple(mapping.get(l, l) for l in use.in_labels)
+  use.out_labels = tuple(mapping.get(l, l) for l in use.out_labels)
+  use.examples = next(n for l, n in zip(use.out_labels, use.probe_aval.shape)
+                      if l == ("b", 0))
+
+
 def find_layers(loss_fn: Callable, params, batch, *, has_aux=False,
-                exclude=()) -> TaggedLoss:
+                exclude=(), example_axis=None) -> TaggedLoss:
   """Trace ``loss_fn(params, batch)`` and find every layer.
 
   ``has_aux``: ``loss_fn`` returns ``(loss, aux)``; ``exclude``: parameter
-  paths (or ``fnmatch`` patterns) to leave out of the curvature. Returns
-  the detection (a ``TaggedLoss``, see the package docstring); its blocks
-  are chosen by ``with_blocks`` (``make_blocks``)."""
-  return TaggedLoss(loss_fn, params, batch, has_aux=has_aux, exclude=exclude)
+  paths (or ``fnmatch`` patterns) to leave out of the curvature;
+  ``example_axis``: which axis of the batch's leaves holds the examples,
+  an int for every leaf with axes or a pytree of the batch's structure
+  with an int or None (no examples) per leaf; None: the leading axis
+  (``_examples``; ``describe`` says when that was a guess). Time-major
+  data ``[T, B, ...]`` needs ``example_axis=1``: each layer's and loss's
+  example axis is then the one that follows the batch's, and the
+  statistics are those of the batch-major model. Returns the detection (a
+  ``TaggedLoss``, see the package docstring); its blocks are chosen by
+  ``with_blocks`` (``make_blocks``)."""
+  return TaggedLoss(loss_fn, params, batch, has_aux=has_aux, exclude=exclude,
+                    example_axis=example_axis)

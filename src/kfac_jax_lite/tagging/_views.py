@@ -88,7 +88,8 @@ def slice_views(view, eqn):
   """The ``Sliced`` views of the outputs of a ``slice`` (unit strides) or
   ``split`` of ``view`` (a ``View`` or ``Sliced``), or None."""
   name = eqn.primitive.name
-  if not isinstance(view, View) or None in view.dims:
+  if (not isinstance(view, View) or None in view.dims
+      or getattr(view, "scales", ())):  # A scaled kernel is not sliced.
     return None
   window = list(getattr(view, "window", ()) or
                 [(0, n) for n in view.leaf_shape])

@@ -64,6 +64,7 @@ class DenseSpec(LayerSpec):
   roles: tuple
   slices: int = 0
   slice_inputs: int = 0
+  joined: tuple = ()
 
   @property
   def kind(self):
@@ -72,6 +73,10 @@ class DenseSpec(LayerSpec):
   @property
   def notes(self):
     roles = self.roles
+    if self.joined:
+      n, axis = self.joined
+      return (f"joined: one of {n} kernels concatenated along the {axis} "
+              f"axis before one product, the block of its slice")
     if self.slices:
       return (f"fused: {self.slices} column blocks of the kernel on "
               f"{self.slice_inputs} input(s), one block over all of it")
@@ -132,7 +137,9 @@ class DenseSpec(LayerSpec):
     spec = cls(kernel_shape=kshape, in_axes=canon, has_bias=bias is not None,
                roles=tuple(roles), slices=slices,
                slice_inputs=len({u.config["source"] for u in uses
-                                 if "window" in u.config}))
+                                 if "window" in u.config}),
+               joined=next((u.config["joined"] for u in uses
+                            if "joined" in u.config), ()))
     return Grouping(spec, (main,) + ((bias,) if bias is not None else ()))
 
   # --------------------------------------------------------------- blocks

@@ -1,0 +1,182 @@
+"""The one-pass estimate for ``kfl.kfac``: the loss, its gradient and every
+block's curvature statistics from one forward pass, and when to skip them.
+
+    est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
+    tx = optax.chain(kfl.kfac(loss_fn, batch, cov_every=k), optax.sgd(lr, 0.9))
+
+    def step(params, state, batch, key):
+      est = est_fn(params, batch, key, with_stats=kfl.stats_due(state))
+      updates, state = tx.update(est.grads, state, params, stats=est.stats,
+                                 loss=est.loss)   # loss: for kfl.health
+      ...
+
+Amortisation. ``kfl.kfac`` accumulates statistics only at the updates
+where ``count % cov_every == 0`` (``count``: the updates so far); at the
+others it ignores ``stats=``. ``kfl.stats_due(state)`` reads that
+condition for the next update from the optax state (``KfacState.stats_due``),
+and ``with_stats=`` makes ``est_fn`` compute the statistics only then:
+one ``lax.cond`` inside the jitted step, the plain ``jax.value_and_grad``
+on the other steps. A statistics step computes exactly what ``est_fn``
+computes without the flag; the others cost one gradient, and
+``stats_fraction < 1`` makes the statistics steps themselves cheaper (their
+own pass over the first share of the batch). Without the flag every step
+pays for the statistics whatever ``cov_every`` says.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kfac_jax_lite import tagging
+from kfac_jax_lite import transform
+from kfac_jax_lite.estimators import (
+    Estimate, check_estimation, check_example_axis, check_has_loss,
+    check_stats_fraction, estimate, stats_batch_size, stats_slice)
+
+
+def stats_due(state):
+  """Whether the next ``kfl.kfac`` update accumulates statistics.
+
+  ``state``: an optax state holding one ``kfl.kfac`` state (its own, a
+  chain's, or ``kfl.kfac_optimizer``'s). Returns a scalar boolean from
+  ``KfacState.stats_due``: ``count % cov_every == 0`` for the update to
+  come; pass it as ``est_fn(..., with_stats=kfl.stats_due(state))`` so the
+  statistics are computed only on the steps that use them (module doc).
+  """
+  found = [s for s in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, transform.KfacState))
+           if isinstance(s, transform.KfacState)]
+  if len(found) != 1:
+    raise ValueError(
+        "kfl.stats_due needs an optax state that holds exactly one kfl.kfac "
+        f"state (KfacState); found {len(found)} in {type(state).__name__}")
+  return found[0].stats_due > 0
+
+
+def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
+                         num_samples=1, stats_fraction=1.0, has_aux=False,
+                         blocks=None, exclude=(), weight_sharing="expand",
+                         damping_mode="pi", example_axis=None):
+  """``fn(params, batch, key) -> Estimate``: the loss, its gradient and the
+  curvature statistics of every block, for ``kfac``'s ``update(..., stats=)``.
+
+      est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
+      est = est_fn(params, batch, key)           # in the jitted step
+      updates, state = tx.update(est.grads, state, params, stats=est.stats)
+
+  ``est.loss`` and ``est.grads`` equal ``jax.value_and_grad(loss_fn)(params,
+  batch)`` (``est.aux`` the auxiliary output with ``has_aux``); ``est.stats``
+  maps each block name to its statistics, ``est.weights`` are the examples'
+  loss weights ``c_i`` (module docstring). With ``stats_fraction = 1`` all of
+  it comes from one forward pass (one ``jax.vjp``: the gradient's backward
+  pass and the statistics' sampled one share its residuals), the cheapest
+  way to feed ``kfl.kfac``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
+      ``has_aux``); traced once here, at ``params`` and ``batch`` (arrays or
+      ``jax.ShapeDtypeStruct``s), to find its layers. ``fn.tagged`` holds
+      them with their blocks; ``fn`` is pure and jittable and takes any
+      batch of the same structure.
+    estimation: how the output cotangents behind the statistics are drawn
+      (module docstring): ``"fisher"`` (targets sampled from the model's
+      registered predictive distribution: the true Fisher), ``"empirical"``
+      (``"fisher"`` at the data targets; works without a registered or
+      recognised loss),
+      ``"curvature_prop"`` (Rademacher projections of a square root of the
+      output Fisher), ``"exact"`` (all its columns: the exact Kronecker
+      factors, cost × output size), and ``"curvature_prop_ggn"``,
+      ``"exact_ggn"`` (the same with the output Hessian: the GGN).
+    num_samples: draws per example for the sampled modes (``"fisher"``,
+      ``"curvature_prop"``); the statistics average them. Must be 1 for the
+      others to mean anything (they ignore it but for its check).
+    stats_fraction: the share ``f`` in ``(0, 1]`` of each batch the
+      statistics are computed on: its first ``round(N·f)`` examples, at least
+      2 (Martens & Grosse use 1/8). The loss and gradient always use the
+      whole batch. The statistics are then exactly those of
+      ``kfl.kfac(..., stats_fraction=f)`` with ``batch=``: ``loss_fn`` on the
+      first examples gives their weights ``c_i`` (1/k for a mean over the
+      slice). They take their own forward pass on the slice (``f·2·M·a·b``
+      FLOPs per dense layer, ``a``/``b`` its input/output sizes, ``M`` the
+      batch), because a generic ``loss_fn`` cannot be split: sharing the
+      whole batch's forward pass instead would need the sampled backward
+      pass over all ``M`` examples (``2·M·a·b`` rather than ``f·2·M·a·b``),
+      the dearer choice for any ``f < 1/2``.
+    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+    blocks: curvature block overrides per parameter path or layer kind, as
+      in ``kfl.kfac`` (see ``kfl.tagging.find_layers``); ``exclude``:
+      parameter paths (or patterns) left out of the curvature (their
+      gradient passes through).
+    weight_sharing: ``"expand"`` or ``"reduce"`` (Eschenhagen et al. 2023)
+      for layers applied over extra axes (sequence positions, a
+      convolution's output locations), as in
+      ``kfl.kfac``; it must match the transform's for the statistics to fit
+      its blocks.
+    damping_mode: ``"pi"`` or ``"exact"``, as in ``kfl.kfac``: it chooses
+      the blocks' caches, so it must match the transform's too.
+    example_axis: which axis of the batch's leaves holds the examples, as
+      in ``kfl.kfac`` (``kfl.tagging.find_layers``): None the leading
+      one, an int for every leaf, or a pytree of the batch's structure
+      with an int or None per leaf (``example_axis=1`` for time-major
+      ``[T, B]`` data); other than 0 it needs ``stats_fraction=1``.
+
+  Returns:
+    ``fn(params, batch, key, states=None, *, with_stats=True) -> Estimate``
+    (``key`` a PRNG key for the sampled modes; ``states``, a ``kfl.kfac``
+    state's ``blocks``, is needed by blocks whose statistics depend on their
+    state, ``"ekfac"``), with ``fn.tagged``. ``with_stats`` says whether to
+    compute the statistics at all (amortisation, module doc): ``True`` (the
+    default) always; ``False`` never (the plain ``jax.value_and_grad``, with
+    zero ``stats`` and ``weights`` of the same shapes); a traced boolean,
+    such as ``kfl.stats_due(state)``, chooses at run time through one
+    ``lax.cond``, so only the chosen branch runs (under ``vmap`` with a
+    batched flag the cond becomes a select and both run).
+  """
+  check_estimation(estimation, num_samples)
+  check_stats_fraction(stats_fraction)
+  stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)")
+  check_example_axis(example_axis, batch, stats_fraction,
+                     "value_grad_and_stats")
+  tagged = tagging.find_layers(
+      loss_fn, params, batch, has_aux=has_aux, exclude=exclude,
+      example_axis=example_axis).with_blocks(
+          blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
+  check_has_loss(tagged, estimation, "value_grad_and_stats")
+
+  def with_statistics(params, batch, key, states):
+    if stats_fraction >= 1.0:
+      return estimate(tagged, params, batch, key, estimation=estimation,
+                      num_samples=num_samples, states=states)
+    part = estimate(tagged, params,
+                    stats_slice(batch, stats_fraction, "value_grad_and_stats"),
+                    key, estimation=estimation, num_samples=num_samples,
+                    states=states)
+    loss, aux, grads = plain(params, batch)
+    return Estimate(loss, aux, grads, part.stats, part.weights)
+
+  def plain(params, batch):
+    out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
+    loss, aux = out if has_aux else (out, None)
+    return loss, aux, grads
+
+  def without_statistics(params, batch, key, states):
+    shapes = jax.eval_shape(with_statistics, params, batch, key, states)
+    loss, aux, grads = plain(params, batch)
+    zeros = lambda s: jnp.zeros(s.shape, s.dtype)
+    return Estimate(loss, aux, grads, jax.tree.map(zeros, shapes.stats),
+                    zeros(shapes.weights))
+
+  def fn(params, batch, key, states=None, *, with_stats=True):
+    if isinstance(with_stats, (bool, np.bool_)):
+      branch = with_statistics if with_stats else without_statistics
+      return branch(params, batch, key, states)
+    flag = jnp.asarray(with_stats)
+    if flag.shape != () or flag.dtype != jnp.bool_:
+      raise ValueError("with_stats must be a bool or a scalar boolean array "
+                       f"(kfl.stats_due(state)), got {flag.dtype}{list(flag.shape)}")
+    return jax.lax.cond(flag, with_statistics, without_statistics,
+                        params, batch, key, states)
+
+  fn.tagged = tagged
+  return fn
