@@ -55,8 +55,8 @@ back in their old order afterwards, their signs chosen so that
 first basis of a layer is always an ``eigh``.
 ``benchmarks/eigenbasis_refresh.py`` measures how far ``"power"`` stays
 from ``"eigh"`` over refreshes (on a digits autoencoder, 4-9% of K-FAC's
-factors off the diagonal of ``QᵀCQ`` against 64% for a basis never
-refreshed; 0.1-0.2% of Shampoo's).
+factors off the diagonal of ``QᵀCQ`` against 63% for a basis never
+refreshed; 0.1-0.4% of Shampoo's).
 
 Moments at a refresh (``R_A = Q_A,oldᵀ Q_A,new``, ``R_G`` likewise): the
 first moment is a vector in the basis, so it is carried over exactly,
