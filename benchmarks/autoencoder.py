@@ -26,6 +26,9 @@ the stated grid:
   unless ``--kfac-style batch=``;
 * ``kfl.kfac_optimizer(loss_fn, batch)`` with its defaults (adaptive
   damping, learning rate and momentum), ``tx.update(..., batch=batch)``;
+* ``kfl.eigen_adam`` (Adam in the eigenbasis of K-FAC's factors) and
+  its Shampoo-basis control (SOAP), chained with
+  ``optax.scale_by_learning_rate(lr)`` on Adam's lr grid;
 * kfac-jax 0.0.8 when it is importable (it needs jax 0.9.1; see
   ``benchmarks/README.md``), with the settings of its own autoencoder
   example (adaptive damping, learning rate and momentum, inverse period 5,
@@ -131,6 +134,22 @@ def families(params, example, args):
       optax_family("kfac_opt", "kfl.kfac_optimizer", {},
                    lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
                    note="defaults"),
+      # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
+      # (SOAP); Adam's lr grid. Wall-clock benefit not yet measured.
+      optax_family("eigen_adam", "EigenAdam K-FAC",
+                   {"lr": [3e-3] if quick else [3e-4, 1e-3, 3e-3]},
+                   lambda lr: optax.chain(
+                       kfl.eigen_adam(loss_fn, example),
+                       optax.scale_by_learning_rate(lr)),
+                   style=args.kfac_style,
+                   note="kfl.eigen_adam(loss_fn, batch) defaults (eigh "
+                   "every 10 steps)"),
+      optax_family("soap", "EigenAdam SOAP",
+                   {"lr": [3e-3] if quick else [3e-4, 1e-3, 3e-3]},
+                   lambda lr: optax.chain(
+                       kfl.eigen_adam(loss_fn, example, basis="shampoo"),
+                       optax.scale_by_learning_rate(lr)),
+                   note="kfl.eigen_adam(..., basis='shampoo')"),
   ]
   kfac_jax_family = _kfac_jax_family(params, args)
   if kfac_jax_family is not None:

@@ -21,8 +21,10 @@ training-clock budget at its best learning rate from a stated grid:
 AdamW (optax's default weight decay 1e-4), Muon (Newton-Schulz on the
 blocks' matrices; AdamW at ``adam_lr`` on the embeddings, read-out, norms
 and biases, as modded-nanogpt does), SGD-momentum (for the step-time
-ratio), ``kfl.kfac`` + SGD at the defaults and tuned, and
-``kfl.kfac_optimizer``. The target is AdamW's final validation loss.
+ratio), ``kfl.kfac`` + SGD at the defaults and tuned,
+``kfl.kfac_optimizer``, and ``kfl.eigen_adam`` with K-FAC's and with
+Shampoo's basis (SOAP), with AdamW's weight decay, on its lr grid. The
+target is AdamW's final validation loss.
 Writes ``results/charlm.json`` and ``.png``.
 """
 from __future__ import annotations
@@ -163,6 +165,25 @@ def families(loss_fn, params, example, args):
       optax_family("kfac_opt", "kfl.kfac_optimizer", {},
                    lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
                    note="defaults"),
+      # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
+      # (SOAP); AdamW's lr grid. Wall-clock benefit not yet measured.
+      optax_family("eigen_adam", "EigenAdam K-FAC",
+                   {"lr": [3e-3] if q else [1e-3, 3e-3, 1e-2]},
+                   lambda lr: optax.chain(
+                       kfl.eigen_adam(loss_fn, example),
+                       optax.add_decayed_weights(1e-4),
+                       optax.scale_by_learning_rate(lr)),
+                   style=args.kfac_style,
+                   note="kfl.eigen_adam(loss_fn, batch) defaults (eigh "
+                   "every 10 steps) + weight decay 1e-4 (as AdamW)"),
+      optax_family("soap", "EigenAdam SOAP",
+                   {"lr": [3e-3] if q else [1e-3, 3e-3, 1e-2]},
+                   lambda lr: optax.chain(
+                       kfl.eigen_adam(loss_fn, example, basis="shampoo"),
+                       optax.add_decayed_weights(1e-4),
+                       optax.scale_by_learning_rate(lr)),
+                   note="kfl.eigen_adam(..., basis='shampoo') + weight "
+                   "decay 1e-4 (as AdamW)"),
   ]
   return out
 

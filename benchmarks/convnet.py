@@ -18,8 +18,9 @@ is evaluated on a fixed 2 000-image subset of them (train loss) and on the
 ``autoencoder.py`` (see ``_harness``): Adam, SGD-momentum and Muon (its
 Newton-Schulz step on the dense matrices and on the conv kernels seen as
 ``(3·3·C_in) x C_out`` matrices, Adam on the rest) at their best learning
-rate, ``kfl.kfac`` + SGD at the defaults and tuned, and
-``kfl.kfac_optimizer``. There are two targets: Adam's final train loss and
+rate, ``kfl.kfac`` + SGD at the defaults and tuned,
+``kfl.kfac_optimizer``, and ``kfl.eigen_adam`` with K-FAC's and with
+Shampoo's basis (SOAP) on Adam's lr grid. There are two targets: Adam's final train loss and
 Adam's final test accuracy. Writes ``results/convnet.json`` and ``.png``.
 """
 from __future__ import annotations
@@ -146,6 +147,22 @@ def families(params, example, args):
       optax_family("kfac_opt", "kfl.kfac_optimizer", {},
                    lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
                    note="defaults"),
+      # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
+      # (SOAP); Adam's lr grid. Wall-clock benefit not yet measured.
+      optax_family("eigen_adam", "EigenAdam K-FAC",
+                   {"lr": [3e-3] if q else [3e-4, 1e-3, 3e-3]},
+                   lambda lr: optax.chain(
+                       kfl.eigen_adam(loss_fn, example),
+                       optax.scale_by_learning_rate(lr)),
+                   style=args.kfac_style,
+                   note="kfl.eigen_adam(loss_fn, batch) defaults (eigh "
+                   "every 10 steps)"),
+      optax_family("soap", "EigenAdam SOAP",
+                   {"lr": [3e-3] if q else [3e-4, 1e-3, 3e-3]},
+                   lambda lr: optax.chain(
+                       kfl.eigen_adam(loss_fn, example, basis="shampoo"),
+                       optax.scale_by_learning_rate(lr)),
+                   note="kfl.eigen_adam(..., basis='shampoo')"),
   ]
   return out
 

@@ -15,7 +15,8 @@ view, ``docs/design.md`` the design brief: conventions and cost model):
   steps that use it;
 * ``transform.py`` — ``kfac``, the preconditioner as an optax transform,
   and its named stages; ``optimizer.py`` — ``kfac_optimizer``, Martens &
-  Grosse's optimizer with adaptive damping;
+  Grosse's optimizer with adaptive damping; ``eigen_adam.py`` —
+  ``eigen_adam``, Adam in the factors' eigenbasis (SOAP-like);
 * ``laplace/`` — Laplace posteriors from the same curvature; ``health.py``
   — the health counters of a state.
 
@@ -36,6 +37,8 @@ from kfac_jax_lite import tagging as tagging
 # The user API.
 from kfac_jax_lite.transform import KfacState as KfacState
 from kfac_jax_lite.transform import kfac as kfac
+from kfac_jax_lite.eigen_adam import EigenAdamState as EigenAdamState
+from kfac_jax_lite.eigen_adam import eigen_adam as eigen_adam
 from kfac_jax_lite.optimizer import KfacOptimizerState as KfacOptimizerState
 from kfac_jax_lite.optimizer import kfac_optimizer as kfac_optimizer
 from kfac_jax_lite.estimators import ESTIMATIONS as ESTIMATIONS
@@ -70,6 +73,7 @@ __version__ = "0.1.0"
 __all__ = [
     # optax transforms and their states
     "kfac", "KfacState", "kfac_optimizer", "KfacOptimizerState",
+    "eigen_adam", "EigenAdamState",
     # one pass: loss, gradient and curvature statistics
     "value_grad_and_stats", "stats_due", "Estimate", "ESTIMATIONS",
     # inspection

@@ -1,0 +1,487 @@
+"""``kfl.eigen_adam``: Adam in the eigenbasis of K-FAC's Kronecker factors.
+
+    tx = optax.chain(kfl.eigen_adam(loss_fn, example_batch),
+                     optax.scale_by_learning_rate(lr))
+    updates, state = tx.update(grads, state, params, batch=batch)
+
+SOAP (Vyas et al. 2024) runs Adam in the eigenbasis of Shampoo's
+preconditioner; EKFAC (George et al. 2018) rescales K-FAC's eigenbasis by
+second moments measured there. This transform runs Adam in the second's
+basis: for every layer with a Kronecker block (dense, conv, embedding), its
+parameters as the block's ``[groups, a, b]`` matrices ``M`` (rows the inputs
+and the bias, columns the outputs; ``blocks._layout``), with
+``A = Q_A Λ_A Q_Aᵀ`` and ``G = Q_G Λ_G Q_Gᵀ`` the factors' eigenbases:
+
+    g̃ = Q_Aᵀ M Q_G                                  (rotate in)
+    m ← b1·m + (1−b1)·g̃,   v ← b2·v + (1−b2)·g̃²     (Adam's moments, there)
+    u = Q_A (m̂ / (√(v̂ + eps_root) + eps)) Q_Gᵀ        (rotate back)
+
+with ``m̂ = m/(1−b1ᵗ)``, ``v̂ = v/(1−b2ᵗ)`` as in ``optax.scale_by_adam``
+(same order of operations: with identity bases this *is* ``optax.adam``'s
+scaling). An embedding's input factor is diagonal: its basis is the
+identity (only ``Q_G`` rotates). A layer stacked under ``lax.scan`` has
+one basis and one pair of moments per slice. Every other parameter
+(scale/shift, fallbacks, excluded leaves, blocks overridden to
+non-Kronecker ones) gets plain Adam with the same ``b1``, ``b2``, ``eps``.
+
+Bases (``basis``):
+
+* ``"kfac"`` — ``A``, ``G`` are K-FAC's factors, estimated exactly as
+  ``kfl.kfac`` does it (its tagging, its ``statistics`` and ``accumulate``
+  stages: ``estimation``, ``stats_fraction``, ``cov_decay``); ``update``
+  needs ``batch=`` or ``stats=`` like ``kfl.kfac``.
+* ``"shampoo"`` — SOAP's: ``A`` the EMA of ``M Mᵀ`` and ``G`` the EMA of
+  ``Mᵀ M`` of the mini-batch gradient matrix (same ``cov_decay``); no
+  ``batch=`` is needed. (The loss is still traced once, at ``init``, to find
+  the layers.) In SOAP's order: each step runs Adam in the bases of the
+  *earlier* gradients, then folds its gradient into the factors and
+  refreshes; the first step only starts the bases (its update is zero,
+  and Adam's ``t`` counts from the second step). A gradient rotated into
+  its own factors' basis is that matrix's SVD, diagonal up to rounding,
+  whose noise Adam would blow up to steps of about ``±1`` (SOAP:
+  "so that we never use the current gradients in the projection").
+
+Refresh (``refresh_every``, ``refresh``): the bases are recomputed every
+``refresh_every`` steps (counts ``refresh_every, 2·refresh_every, ...``),
+and a layer without a basis yet gets one at the first update whose factors
+have statistics (step 0); under ``"kfac"`` before that step's Adam (step 0
+already runs in the basis of its own statistics, as ``kfl.kfac``
+preconditions with them), under ``"shampoo"`` after it. ``refresh="eigh"`` decomposes each factor exactly;
+``refresh="power"`` warm-starts from the previous basis as SOAP does: one
+power-iteration step ``C Q_old`` and a QR (``Q_new = qr(C Q_old).Q``, the
+columns taken in decreasing order of ``diag(Q_oldᵀ C Q_old)`` and put
+back in their old order afterwards, their signs chosen so that
+``diag(R) ≥ 0``: a basis that is already exact maps to itself). The
+first basis of a layer is always an ``eigh``.
+``benchmarks/eigenbasis_refresh.py`` measures how far ``"power"`` stays
+from ``"eigh"`` over refreshes (on a digits autoencoder, 4-9% of K-FAC's
+factors off the diagonal of ``QᵀCQ`` against 63% for a basis never
+refreshed; 0.1-0.4% of Shampoo's).
+
+Moments at a refresh (``R_A = Q_A,oldᵀ Q_A,new``, ``R_G`` likewise): the
+first moment is a vector in the basis, so it is carried over exactly,
+``m ← R_Aᵀ m R_G`` (SOAP does this too); the update it gives in parameter
+space is unchanged. The second moment ``v`` is the diagonal of a second-
+moment matrix ``(Q_A ⊗ Q_G) diag(v) (Q_A ⊗ Q_G)ᵀ`` whose off-diagonal part
+Adam never kept, so no rotation maps it exactly. Two rules:
+
+* ``nu_rebase="keep"`` (default; SOAP's): ``v`` stays where it is, column
+  by column. ``eigh`` sorts the eigenvalues and ``"power"`` keeps each
+  column's place, so column ``j`` stays the ``j``-th eigendirection by
+  size and its ``v`` the second moment measured at that rank. The new
+  basis diagonalises the *new* factors, and the factors are second
+  moments of the gradient's pieces (K-FAC: ``E[g̃_ij²] ≈ λ_A,i λ_G,j`` in
+  their eigenbasis), so the gradient's second moment is near diagonal in
+  the new basis with values ordered like its eigenvalues: the old value at
+  the same rank estimates it.
+* ``nu_rebase="project"``: the diagonal in the new basis of the old
+  matrix, ``v ← (R_A∘R_A)ᵀ v (R_G∘R_G)`` (elementwise squares of the
+  rotations; the rule ``blocks.ekfac`` uses for its eigenvalues): linear
+  (the bias correction stays valid), ``v ≥ 0``, ``Σ v`` kept, and exact
+  for the old model: a refresh that only permutes or flips the columns
+  changes nothing. It averages ``v`` over the old directions each new
+  one draws on, the old diagonal model's view rather than the new basis's.
+
+Measured (``benchmarks/eigenbasis_refresh.py --rules``: 300 steps of its
+digits autoencoder, 3 seeds, lr 3e-3 and 1e-2, both refresh methods, K-FAC
+basis; ``results/eigen_adam_rules.txt``): ``"keep"`` ended lower in loss
+than ``"project"`` in every run (by 4-6% at lr 3e-3, 2% at 1e-2), hence
+the default. Steps, not wall-clock: that comparison is not made yet.
+
+State (``EigenAdamState``): the step count, the sampling key, per rotated
+layer its Kronecker block state (``A``, ``G`` as ``FactorState``s whose
+``"eigh"`` caches hold the bases: ``cache.eigvecs`` ``Q``, ``cache.step``
+the step of their last refresh, ``-1`` before the first) and its moments
+in the basis, and plain Adam's moments of the other leaves (rotated
+leaves hold an empty array there). A plain pytree: it checkpoints and
+restores like any other.
+
+Not done here: no damping (Adam's ``eps`` plays its role), no KL clipping,
+no guard for non-finite gradients (as ``optax.adam``); factor statistics
+that are not finite are skipped as in ``kfl.kfac``, and a decomposition
+that is not finite keeps the previous basis.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from kfac_jax_lite import blocks as B
+from kfac_jax_lite import estimators
+from kfac_jax_lite import factor as fac
+from kfac_jax_lite import transform
+
+BASES = ("kfac", "shampoo")
+REFRESHES = ("eigh", "power")
+NU_REBASES = ("project", "keep")
+
+
+class EigenAdamState(NamedTuple):
+  """The state of ``kfl.eigen_adam`` (a plain pytree; see the module
+  docstring): the factors whose caches hold the bases, Adam's moments in
+  the bases for the rotated layers and plainly for the other leaves."""
+
+  count: Any  # int32: updates so far.
+  key: Any  # PRNG key for the sampled estimators (basis="kfac", batch=).
+  blocks: dict  # rotated layer -> KroneckerState; caches: bases Q.
+  mu_basis: dict  # rotated layer -> first moment m [groups, a, b], in its basis.
+  nu_basis: dict  # rotated layer -> second moment v [groups, a, b], in its basis.
+  mu: tuple  # per parameter leaf: plain Adam's m (shape (0,) if rotated).
+  nu: tuple  # per parameter leaf: plain Adam's v (shape (0,) if rotated).
+
+
+def inner_block(block):
+  """The block of one slice: ``block.block`` for a ``Stacked`` one."""
+  return block.block if isinstance(block, B.Stacked) else block
+
+
+def per_slice(layer, fn):
+  """``fn`` on each slice of a stacked layer's arrays (``jax.vmap`` over
+  their leading axis), or ``fn`` itself for a layer that is not stacked."""
+  return jax.vmap(fn) if isinstance(layer.block, B.Stacked) else fn
+
+
+def is_rotated(layer) -> bool:
+  """Whether ``layer`` runs Adam in an eigenbasis: its block (or, stacked
+  under ``lax.scan``, each slice's) is a Kronecker block (dense, conv,
+  embedding)."""
+  return isinstance(inner_block(layer.block), B.KroneckerBlock)
+
+
+def _is_factor(x):
+  return isinstance(x, fac.FactorState)
+
+
+def _basis(f):
+  """A factor's basis ``Q`` (identity before its first refresh); None for
+  a diagonal factor (its basis is the identity)."""
+  if fac.is_diagonal(f):
+    return None
+  eye = jnp.broadcast_to(jnp.eye(f.cov.shape[-1], dtype=f.cov.dtype),
+                         f.cov.shape)
+  return jnp.where(f.cache.step >= 0, f.cache.eigvecs, eye)
+
+
+def _t(x):
+  return jnp.swapaxes(x, -1, -2)
+
+
+def to_basis(m, qa, qg):
+  """``Q_Aᵀ M Q_G`` per group (``qa`` None: the identity)."""
+  m = m if qa is None else _t(qa) @ m
+  return m @ qg
+
+
+def from_basis(m, qa, qg):
+  """``Q_A M Q_Gᵀ`` per group (``qa`` None: the identity)."""
+  m = m if qa is None else qa @ m
+  return m @ _t(qg)
+
+
+def power_step(c, q_old):
+  """One warm-started power-iteration step, as SOAP's: the columns of
+  ``Q_old`` ordered by decreasing ``diag(Q_oldᵀ C Q_old)``, then ``Q`` of
+  ``qr(C Q_old)`` with its columns' signs such that ``diag(R) ≥ 0`` (an
+  exact eigenbasis of a positive definite ``C`` maps to itself), put back
+  in ``Q_old``'s column order (column ``j`` of the new basis continues
+  column ``j`` of the old one). Returns ``(diag(Qᵀ C Q), Q)``.
+
+  The order matters: QR orthogonalises the columns in turn, so the first
+  ones converge to the dominant eigenvectors; fed ``eigh``'s ascending
+  order, it would pull the smallest eigenvector towards the largest
+  (``benchmarks/eigenbasis_refresh.py`` measured a basis worse than
+  keeping the old one before this ordering)."""
+  est = jnp.einsum("...ij,...ik,...kj->...j", q_old, c, q_old)
+  order = jnp.argsort(-est, axis=-1)
+  q, r = jnp.linalg.qr(c @ jnp.take_along_axis(q_old, order[..., None, :], -1))
+  sign = jnp.where(jnp.diagonal(r, axis1=-2, axis2=-1) < 0, -1, 1).astype(q.dtype)
+  q = jnp.take_along_axis(q * sign[..., None, :],
+                          jnp.argsort(order, axis=-1)[..., None, :], -1)
+  return jnp.einsum("...ij,...ik,...kj->...j", q, c, q), q
+
+
+def refresh_factor(f, step, method):
+  """``f`` with a new basis in its cache: ``eigh`` of its value, or
+  (``method="power"`` and a basis already there) one ``power_step`` from
+  the cached basis; a result that is not finite keeps the old cache and
+  counts in ``cache.num_failed``. A diagonal factor (identity basis) only
+  records the step."""
+  if fac.is_diagonal(f):  # Its basis is the identity: only the step is kept.
+    return f._replace(cache=f.cache._replace(
+        step=jnp.asarray(step, jnp.int32)))
+  c = fac.factor_value(f)
+  if method == "power":
+    w, q = jax.lax.cond(f.cache.step >= 0,
+                        lambda c, q: power_step(c, q),
+                        lambda c, q: fac.eigh(c), c, f.cache.eigvecs)
+  else:
+    w, q = fac.eigh(c)
+  ok = fac.all_finite((w, q))
+  old = f.cache
+  return f._replace(cache=old._replace(
+      eigvals=jnp.where(ok, w, old.eigvals),
+      eigvecs=jnp.where(ok, q, old.eigvecs),
+      step=jnp.where(ok, jnp.asarray(step, jnp.int32), old.step),
+      num_failed=old.num_failed + jnp.where(ok, 0, 1).astype(jnp.int32)))
+
+
+def rebase_moments(m, v, old, new, nu_rebase="project"):
+  """The moments ``(m, v)`` of one layer, carried from the bases of the
+  block state ``old`` into those of ``new`` (module docstring):
+  ``m ← R_Aᵀ m R_G``; ``v ← (R_A∘R_A)ᵀ v (R_G∘R_G)`` (``"project"``) or
+  ``v`` (``"keep"``); ``R = Q_oldᵀ Q_new``, the identity for a diagonal
+  factor."""
+  rs = []
+  for fo, fn in ((old.a, new.a), (old.g, new.g)):
+    qo, qn = _basis(fo), _basis(fn)
+    rs.append(None if qo is None else _t(qo) @ qn)
+  ra, rg = rs
+  m = to_basis(m, ra, rg)
+  if nu_rebase == "project":
+    v = to_basis(v, None if ra is None else ra ** 2, rg ** 2)
+  return m, v
+
+
+def _has_statistics(block_state):
+  return jnp.all(jnp.stack([f.weight > 0 for f in jax.tree.leaves(
+      block_state, is_leaf=_is_factor) if _is_factor(f)]))
+
+
+def _is_ready(block_state):
+  return jnp.all(jnp.stack([f.cache.step >= 0 for f in jax.tree.leaves(
+      block_state, is_leaf=_is_factor) if _is_factor(f)]))
+
+
+def shampoo_stats(block, vectors):
+  """SOAP's statistics of one gradient: ``M Mᵀ`` and ``Mᵀ M`` of its
+  ``[groups, a, b]`` matrix ``M`` (the diagonal of ``M Mᵀ`` where the
+  block's input factor is diagonal, as an embedding's)."""
+  m = block.layout.to_mat(tuple(vectors))
+  a = (jnp.sum(m * m, -1) if block.input_diagonal else m @ _t(m))
+  return B.KroneckerState(a=a, g=_t(m) @ m)
+
+
+def _check(name, value, allowed):
+  if value not in allowed:
+    raise ValueError(f"eigen_adam: {name} must be one of {allowed}, got "
+                     f"{value!r}")
+
+
+def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
+               eps=1e-8, eps_root=0.0, basis="kfac", refresh="eigh",
+               refresh_every=10, nu_rebase="keep", cov_decay=0.95,
+               estimation="fisher", num_samples=1, stats_fraction=1.0,
+               blocks=None, exclude=(), weight_sharing="expand",
+               axis_name=None, has_aux=False, seed=0, example_axis=None
+               ) -> optax.GradientTransformationExtraArgs:
+  """Adam in the eigenbasis of each layer's Kronecker factors (module
+  docstring); chain it with ``optax.scale_by_learning_rate(lr)``.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
+      ``has_aux``), traced at ``init`` to find the layers (as ``kfl.kfac``).
+    example_batch: a batch (arrays or ``jax.ShapeDtypeStruct``s), only
+      traced.
+    b1, b2, eps, eps_root: Adam's, as in ``optax.scale_by_adam``.
+    basis: ``"kfac"`` (eigenbases of K-FAC's ``A`` and ``G``) or
+      ``"shampoo"`` (of the EMAs of ``M Mᵀ`` and ``Mᵀ M`` of the gradient
+      matrix: SOAP).
+    refresh: ``"eigh"`` (exact) or ``"power"`` (one warm-started power
+      step and a QR from the previous basis).
+    refresh_every: the bases are recomputed at the counts that are
+      multiples of it (and a layer's first basis at its first statistics).
+    nu_rebase: what happens to the second moment at a refresh:
+      ``"keep"`` (SOAP's; it stays with its column) or ``"project"`` (the
+      diagonal of its matrix in the new basis); the first moment is always
+      rotated.
+    cov_decay: ``β`` of the factors' zero-debiased EMA (both bases).
+    estimation, num_samples, stats_fraction, blocks, exclude,
+      weight_sharing, has_aux, seed, example_axis: as ``kfl.kfac`` (``basis="kfac"``:
+      how the statistics are estimated; ``blocks`` may turn a layer's
+      Kronecker block into another kind, which then gets plain Adam).
+    axis_name: the ``pmap``/``shard_map`` axis to average the statistics
+      (and, for ``"shampoo"``, the gradients they are formed from) over;
+      every device then computes the same bases.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``: ``init(params)`` and
+    ``update(grads, state, params, *, batch=None, stats=None)`` (other
+    keyword arguments, such as ``loss=``, are accepted and not used)
+    (``basis="kfac"`` needs ``batch=`` or ``stats=``, an
+    ``Estimate.stats`` of ``kfl.value_grad_and_stats``).
+  """
+  _check("basis", basis, BASES)
+  _check("refresh", refresh, REFRESHES)
+  _check("nu_rebase", nu_rebase, NU_REBASES)
+  if not (isinstance(refresh_every, int) and refresh_every >= 1):
+    raise ValueError(f"eigen_adam: refresh_every must be a positive int, got "
+                     f"{refresh_every!r}")
+  # kfl.kfac's tagging and block choice; "exact" damping gives Kronecker
+  # blocks "eigh" caches, where the bases are kept. Its update is not used.
+  kfac_tx = transform.kfac(
+      loss_fn, example_batch, estimation=estimation, num_samples=num_samples,
+      damping_mode="exact", stats_fraction=stats_fraction, blocks=blocks,
+      exclude=exclude, weight_sharing=weight_sharing, has_aux=has_aux,
+      example_axis=example_axis)
+  tagged_for = kfac_tx.update.layers
+
+  def rotated(tagged):
+    return [l for l in tagged.layers if is_rotated(l)]
+
+  def init_fn(params):
+    tagged = tagged_for(params)
+    if basis == "kfac":
+      estimators.check_has_loss(tagged, estimation, "kfl.eigen_adam")
+    leaves = jax.tree.leaves(params)
+    layers = rotated(tagged)
+    covered = {i for l in layers for i in l.leaves}
+    states = {l.name: l.block.init(transform.float_dtype(
+        [leaves[i] for i in l.leaves])) for l in layers}
+    def moment(l):
+      lay = inner_block(l.block).layout
+      stack = (l.block.n,) if isinstance(l.block, B.Stacked) else ()
+      return jnp.zeros(stack + (lay.groups, lay.a, lay.b),
+                       states[l.name].g.cov.dtype)
+    plain = lambda: tuple(jnp.zeros((0,), x.dtype) if i in covered
+                          else jnp.zeros_like(x) for i, x in enumerate(leaves))
+    return EigenAdamState(
+        count=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed),
+        blocks=states, mu_basis={l.name: moment(l) for l in layers},
+        nu_basis={l.name: moment(l) for l in layers}, mu=plain(), nu=plain())
+
+  def adam(g, m, v, count_inc):
+    m = (1 - b1) * g + b1 * m
+    v = (1 - b2) * g ** 2 + b2 * v
+    m_hat = m / (1 - b1 ** count_inc).astype(m.dtype)
+    v_hat = v / (1 - b2 ** count_inc).astype(v.dtype)
+    return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), m, v
+
+  def update_fn(grads, state, params=None, *, batch=None, stats=None,
+                **extra_args):
+    del extra_args
+    if params is None:
+      raise ValueError("eigen_adam needs params: tx.update(grads, state, "
+                       "params, batch=batch)")
+    if basis == "kfac" and stats is None and batch is None:
+      raise ValueError("eigen_adam(basis='kfac').update needs batch= (or "
+                       "precomputed stats=)")
+    tagged = tagged_for(params)
+    layers = rotated(tagged)
+    leaves, treedef = jax.tree.flatten(grads)
+    vectors = {l.name: tuple(leaves[i].reshape(s) for i, s in zip(
+        l.leaves, l.block.param_shapes)) for l in layers}
+    key, stats_key = jax.random.split(state.key)
+
+    if basis == "kfac" and stats is None:
+      if jax.tree.structure(batch) != tagged.batch_treedef:
+        raise ValueError(f"batch structure {jax.tree.structure(batch)} "
+                         f"differs from the example batch's "
+                         f"{tagged.batch_treedef}")
+      # This batch's own trace (another batch size), checked to give the
+      # example batch's layers, as kfl.kfac does.
+      tagged = tagged_for(params, batch)
+      estimators.stats_batch_size(batch, stats_fraction, "eigen_adam.update")
+
+    def fold(blocks):
+      """This step's statistics into the factors."""
+      if basis == "shampoo":
+        new = {l.name: per_slice(l, lambda v, b=inner_block(l.block):
+                                 shampoo_stats(b, v))(vectors[l.name])
+               for l in layers}
+        if axis_name is not None:
+          new = jax.lax.pmean(new, axis_name)
+      elif stats is not None:
+        new = jax.lax.pmean(stats, axis_name) if axis_name else stats
+      else:
+        new = kfac_statistics(blocks)
+      return transform.accumulate(layers, blocks, new, cov_decay)
+
+    def kfac_statistics(blocks):
+      nonlocal stats_key
+      if axis_name is not None:
+        stats_key = jax.random.fold_in(stats_key,
+                                       jax.lax.axis_index(axis_name))
+      dtype = transform.float_dtype(params)
+      all_states = {l.name: (blocks[l.name] if l.name in blocks
+                             else l.block.init(dtype)) for l in tagged.layers}
+      stats_now, _ = transform.statistics(
+          tagged, params, batch, stats_key, all_states, estimation=estimation,
+          num_samples=num_samples, stats_fraction=stats_fraction,
+          axis_name=axis_name)
+      return stats_now
+
+    def refresh_due(states, mu_b, nu_b):
+      """New bases where due, the moments carried into them."""
+      due = (state.count % refresh_every == 0) & (state.count > 0)
+      needs = {l.name: _has_statistics(states[l.name])
+               & (due | ~_is_ready(states[l.name])) for l in layers}
+
+      def run(args):
+        states, mu_b, nu_b = args
+        out = ({}, {}, {})
+        for l in layers:
+          old = states[l.name]
+          fresh = per_slice(l, lambda st: jax.tree.map(
+              lambda f: refresh_factor(f, state.count, refresh), st,
+              is_leaf=_is_factor))(old)
+          m, v = per_slice(l, lambda m, v, o, n: rebase_moments(
+              m, v, o, n, nu_rebase))(mu_b[l.name], nu_b[l.name], old, fresh)
+          need = needs[l.name]
+          pick = lambda n, o: jax.tree.map(
+              lambda a, b: jnp.where(need, a, b), n, o)
+          out[0][l.name] = pick(fresh, old)
+          out[1][l.name] = pick(m, mu_b[l.name])
+          out[2][l.name] = pick(v, nu_b[l.name])
+        return out
+
+      if not layers:
+        return states, mu_b, nu_b
+      return jax.lax.cond(jnp.any(jnp.stack(list(needs.values()))), run,
+                          lambda a: a, (states, mu_b, nu_b))
+
+    def adam_step(states, mu_b, nu_b, t):
+      """Adam at step ``t``: in the bases for the rotated layers, plainly
+      for the rest; ``(updates, mu_b, nu_b, mu, nu)``."""
+      out, mu, nu, mu_b = list(leaves), list(state.mu), list(state.nu), dict(mu_b)
+      nu_b = dict(nu_b)
+      for l in layers:
+        lay, dtype = inner_block(l.block).layout, mu_b[l.name].dtype
+        g = per_slice(l, lambda st, v: to_basis(
+            lay.to_mat(v).astype(dtype), _basis(st.a), _basis(st.g)))(
+                states[l.name], vectors[l.name])
+        u, mu_b[l.name], nu_b[l.name] = adam(g, mu_b[l.name], nu_b[l.name], t)
+        u = per_slice(l, lambda st, u: lay.from_mat(from_basis(
+            u, _basis(st.a), _basis(st.g))))(states[l.name], u)
+        for i, x in zip(l.leaves, u):
+          out[i] = x.reshape(leaves[i].shape).astype(leaves[i].dtype)
+      covered = {i for l in layers for i in l.leaves}
+      for i, g in enumerate(leaves):
+        if i not in covered:
+          out[i], mu[i], nu[i] = adam(g, mu[i], nu[i], t)
+      return out, mu_b, nu_b, tuple(mu), tuple(nu)
+
+    count_inc = optax.safe_increment(state.count)
+    if basis == "kfac":  # This step's statistics, then its basis.
+      states, mu_b, nu_b = refresh_due(fold(state.blocks), state.mu_basis,
+                                       state.nu_basis)
+      out, mu_b, nu_b, mu, nu = adam_step(states, mu_b, nu_b, count_inc)
+    else:  # SOAP: the step in the bases of the earlier gradients, then
+      # this gradient into the factors; the first step only starts them.
+      first = state.count == 0
+      out, *moments = adam_step(state.blocks, state.mu_basis, state.nu_basis,
+                                jnp.maximum(state.count, 1))
+      out = [jnp.where(first, jnp.zeros_like(u), u) for u in out]
+      mu_b, nu_b, mu, nu = jax.tree.map(
+          lambda new, old: jnp.where(first, old, new), tuple(moments),
+          (state.mu_basis, state.nu_basis, state.mu, state.nu))
+      states, mu_b, nu_b = refresh_due(fold(state.blocks), mu_b, nu_b)
+    new_state = EigenAdamState(
+        count=count_inc, key=key, blocks=states, mu_basis=mu_b,
+        nu_basis=nu_b, mu=tuple(mu), nu=tuple(nu))
+    return jax.tree.unflatten(treedef, out), new_state
+
+  update_fn.layers = tagged_for
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
