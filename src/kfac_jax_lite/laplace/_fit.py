@@ -11,6 +11,7 @@ import numpy as np
 from kfac_jax_lite import blocks as kfl_blocks
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor
+from kfac_jax_lite import onepass
 from kfac_jax_lite import tagging
 from kfac_jax_lite.laplace import _columns
 from kfac_jax_lite.laplace import _posterior as P
@@ -104,7 +105,7 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
     tagged = tagging.find_layers(loss_fn, params, first, has_aux=has_aux)
     estimate = None
   else:
-    estimate = estimators.value_grad_and_stats(
+    estimate = onepass.value_grad_and_stats(
         loss_fn, params, first, estimation=estimation,
         num_samples=num_samples, has_aux=has_aux,
         blocks={**BLOCKWISE[structure], **(blocks or {})},
