@@ -285,7 +285,12 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
       ``has_aux``), traced at ``init`` to find the layers (as ``kfl.kfac``).
     example_batch: a batch (arrays or ``jax.ShapeDtypeStruct``s), only
       traced.
-    b1, b2, eps, eps_root: Adam's, as in ``optax.scale_by_adam``.
+    b1: Adam's first-moment decay, as in ``optax.scale_by_adam``.
+    b2: Adam's second-moment decay, as in ``optax.scale_by_adam``.
+    eps: added to the root of the second moment, as in
+      ``optax.scale_by_adam``.
+    eps_root: added to the second moment inside the root, as in
+      ``optax.scale_by_adam``.
     basis: ``"kfac"`` (eigenbases of K-FAC's ``A`` and ``G``) or
       ``"shampoo"`` (of the EMAs of ``M Mᵀ`` and ``Mᵀ M`` of the gradient
       matrix: SOAP).
@@ -298,10 +303,17 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
       diagonal of its matrix in the new basis); the first moment is always
       rotated.
     cov_decay: ``β`` of the factors' zero-debiased EMA (both bases).
-    estimation, num_samples, stats_fraction, blocks, exclude,
-      weight_sharing, has_aux, seed, example_axis: as ``kfl.kfac`` (``basis="kfac"``:
-      how the statistics are estimated; ``blocks`` may turn a layer's
-      Kronecker block into another kind, which then gets plain Adam).
+    estimation: as in ``kfl.kfac`` (``basis="kfac"``: how the statistics
+      are estimated).
+    num_samples: as in ``kfl.kfac``.
+    stats_fraction: as in ``kfl.kfac``.
+    blocks: as in ``kfl.kfac``; it may turn a layer's Kronecker block into
+      another kind, which then gets plain Adam.
+    exclude: as in ``kfl.kfac``.
+    weight_sharing: as in ``kfl.kfac``.
+    has_aux: as in ``kfl.kfac``.
+    seed: as in ``kfl.kfac``.
+    example_axis: as in ``kfl.kfac``.
     axis_name: the ``pmap``/``shard_map`` axis to average the statistics
       (and, for ``"shampoo"``, the gradients they are formed from) over;
       every device then computes the same bases.
