@@ -99,7 +99,9 @@ def train(steps, lr, use_kfac, seed=0, batch=256):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=200)
-  parser.add_argument("--lr", type=float, default=0.03)
+  parser.add_argument("--lr", type=float, default=0.01,
+                      help="K-FAC + SGD learning rate (the README's 0.01 "
+                      "with the defaults)")
   parser.add_argument("--sgd-lr", type=float, default=0.3)
   args = parser.parse_args(argv)
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; MLP {SIZES}, "
