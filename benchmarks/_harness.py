@@ -124,6 +124,34 @@ def grid(**values) -> list[dict]:
       *(values[k] for k in keys))]
 
 
+def eigen_adam_families(optax_family, loss_fn, example, lrs, style,
+                        weight_decay=None):
+  """Issue 26's two families for a benchmark: ``kfl.eigen_adam`` in K-FAC's
+  basis (``style``: the script's K-FAC step style) and in Shampoo's (SOAP),
+  each chained with ``scale_by_learning_rate(lr)`` over ``lrs`` (and
+  ``add_decayed_weights(weight_decay)`` before it, as AdamW, if given).
+  ``optax_family(fid, name, grid, make_tx, style=, note=)``: the script's."""
+  import optax
+  import kfac_jax_lite as kfl
+
+  def make(**options):
+    def make_tx(lr):
+      parts = [kfl.eigen_adam(loss_fn, example, **options)]
+      if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay))
+      return optax.chain(*parts, optax.scale_by_learning_rate(lr))
+    return make_tx
+  wd = (f" + weight decay {weight_decay:g} (as AdamW)" if weight_decay
+        else "")
+  return [
+      optax_family("eigen_adam", "EigenAdam K-FAC", {"lr": list(lrs)}, make(),
+                   style=style, note="kfl.eigen_adam(loss_fn, batch) defaults "
+                   "(eigh every 10 steps)" + wd),
+      optax_family("soap", "EigenAdam SOAP", {"lr": list(lrs)},
+                   make(basis="shampoo"),
+                   note="kfl.eigen_adam(..., basis='shampoo')" + wd)]
+
+
 def muon_or_none():
   """``optax.contrib.muon``, or None when this optax has none."""
   contrib = getattr(optax, "contrib", None)

@@ -136,20 +136,8 @@ def families(params, example, args):
                    note="defaults"),
       # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
       # (SOAP); Adam's lr grid. Wall-clock benefit not yet measured.
-      optax_family("eigen_adam", "EigenAdam K-FAC",
-                   {"lr": [3e-3] if quick else [3e-4, 1e-3, 3e-3]},
-                   lambda lr: optax.chain(
-                       kfl.eigen_adam(loss_fn, example),
-                       optax.scale_by_learning_rate(lr)),
-                   style=args.kfac_style,
-                   note="kfl.eigen_adam(loss_fn, batch) defaults (eigh "
-                   "every 10 steps)"),
-      optax_family("soap", "EigenAdam SOAP",
-                   {"lr": [3e-3] if quick else [3e-4, 1e-3, 3e-3]},
-                   lambda lr: optax.chain(
-                       kfl.eigen_adam(loss_fn, example, basis="shampoo"),
-                       optax.scale_by_learning_rate(lr)),
-                   note="kfl.eigen_adam(..., basis='shampoo')"),
+      *H.eigen_adam_families(optax_family, loss_fn, example,
+                             [3e-3] if quick else [3e-4, 1e-3, 3e-3], args.kfac_style),
   ]
   kfac_jax_family = _kfac_jax_family(params, args)
   if kfac_jax_family is not None:

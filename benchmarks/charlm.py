@@ -166,24 +166,11 @@ def families(loss_fn, params, example, args):
                    lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
                    note="defaults"),
       # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
-      # (SOAP); AdamW's lr grid. Wall-clock benefit not yet measured.
-      optax_family("eigen_adam", "EigenAdam K-FAC",
-                   {"lr": [3e-3] if q else [1e-3, 3e-3, 1e-2]},
-                   lambda lr: optax.chain(
-                       kfl.eigen_adam(loss_fn, example),
-                       optax.add_decayed_weights(1e-4),
-                       optax.scale_by_learning_rate(lr)),
-                   style=args.kfac_style,
-                   note="kfl.eigen_adam(loss_fn, batch) defaults (eigh "
-                   "every 10 steps) + weight decay 1e-4 (as AdamW)"),
-      optax_family("soap", "EigenAdam SOAP",
-                   {"lr": [3e-3] if q else [1e-3, 3e-3, 1e-2]},
-                   lambda lr: optax.chain(
-                       kfl.eigen_adam(loss_fn, example, basis="shampoo"),
-                       optax.add_decayed_weights(1e-4),
-                       optax.scale_by_learning_rate(lr)),
-                   note="kfl.eigen_adam(..., basis='shampoo') + weight "
-                   "decay 1e-4 (as AdamW)"),
+      # (SOAP); Adam's lr grid. Wall-clock benefit not yet measured.
+      *H.eigen_adam_families(optax_family, loss_fn, example,
+                             [3e-3] if q else [1e-3, 3e-3, 1e-2],
+                             args.kfac_style,
+                             weight_decay=1e-4),
   ]
   return out
 
