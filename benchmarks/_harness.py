@@ -35,7 +35,6 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -58,62 +57,19 @@ class Metric(NamedTuple):
 class Candidate(NamedTuple):
   family: str  # Row name, e.g. "Adam".
   settings: dict  # This grid point, printed and saved.
-  style: str  # How a step computes the update (see ``OptaxStepper``).
+  style: str  # How a step computes the update (see ``_timing.make_step``).
   build: Callable[[], Any]  # -> a stepper: ``.step(batch) -> loss``, ``.params()``.
 
 
 # ------------------------------------------------------------- steppers
 
-class OptaxStepper:
-  """Jitted ``(params, opt_state, key)`` training step of an optax ``tx``.
-
-  ``style``:
-
-  * ``"grad"`` — ``jax.value_and_grad(loss_fn)``, ``tx.update(g, s, p)``;
-  * ``"batch="`` — the same, then ``tx.update(g, s, p, batch=batch)``
-    (K-FAC's statistics take their own forward pass);
-  * ``"1-pass"`` — ``est = kfl.value_grad_and_stats(loss_fn, ...)(p, batch,
-    key)``, then ``tx.update(est.grads, s, p, stats=est.stats)`` (the
-    gradient and the statistics share one forward pass).
-  """
-
-  def __init__(self, loss_fn, params, tx, style, example_batch, seed=0):
-    if style == "1-pass":
-      est_fn = kfl.value_grad_and_stats(loss_fn, params, example_batch)
-
-    def step(carry, batch):
-      p, s, key = carry
-      key, sub = jax.random.split(key)
-      if style == "1-pass":
-        est = est_fn(p, batch, sub)
-        loss, g = est.loss, est.grads
-        u, s = tx.update(g, s, p, stats=est.stats)
-      else:
-        loss, g = jax.value_and_grad(loss_fn)(p, batch)
-        u, s = (tx.update(g, s, p, batch=batch) if style == "batch="
-                else tx.update(g, s, p))
-      return (optax.apply_updates(p, u), s, key), loss
-
-    if style not in ("grad", "batch=", "1-pass"):
-      raise ValueError(f"unknown style {style!r}")
-    self._step = jax.jit(step, donate_argnums=0)
-    # The carry is donated: every leaf gets its own buffer (an optimizer
-    # state may hold one array twice), and the caller's params stay valid.
-    carry = (params, tx.init(params), jax.random.PRNGKey(seed))
-    self._carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
-
-  def step(self, batch):
-    self._carry, loss = self._step(self._carry, batch)
-    return jax.block_until_ready(loss)
-
-  def params(self):
-    return self._carry[0]
-
-
 def optax_candidate(family, settings, style, make_tx, loss_fn, params,
                     example_batch, seed=0):
-  """A :class:`Candidate` training ``make_tx()`` with :class:`OptaxStepper`."""
-  return Candidate(family, settings, style, lambda: OptaxStepper(
+  """A :class:`Candidate` training ``make_tx()`` with ``_timing.Stepper``
+  (``style``: ``"grad"``, ``"batch="`` or ``"1-pass"``, see
+  ``_timing.make_step``)."""
+  import _timing  # It imports this module (for kfl): not at the top.
+  return Candidate(family, settings, style, lambda: _timing.Stepper(
       loss_fn, params, make_tx(), style, example_batch, seed))
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,36 +56,13 @@ import optax  # noqa: E402
 
 import _data  # noqa: E402
 import _harness as H  # noqa: E402
+import _models as M  # noqa: E402
 import _report  # noqa: E402
+import _timing as T  # noqa: E402
 from _harness import kfl  # noqa: E402
 
-FULL = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
 QUICK_HIDDEN = (32, 8, 32)  # --quick (or inputs that are not 784 pixels).
-
-
-def init_params(dims, key):
-  params = []
-  for k, i, o in zip(jax.random.split(key, len(dims) - 1), dims[:-1], dims[1:]):
-    params.append({"w": jax.random.normal(k, (i, o), jnp.float32) / np.sqrt(i),
-                   "b": jnp.zeros((o,), jnp.float32)})
-  return params
-
-
-def logits(params, x):
-  """tanh layers, except the narrowest (the code) and the output: linear."""
-  code = min(p["w"].shape[1] for p in params[:-1])
-  h = x
-  for i, layer in enumerate(params):
-    h = h @ layer["w"] + layer["b"]
-    if i < len(params) - 1 and layer["w"].shape[1] != code:
-      h = jnp.tanh(h)
-  return h
-
-
-def loss_fn(params, batch):
-  """Sigmoid cross-entropy summed over pixels, mean over the batch."""
-  out = logits(params, batch["x"])
-  return kfl.sigmoid_binary_cross_entropy(out, batch["x"]).sum(-1).mean()
+loss_fn = M.autoencoder_loss  # The model is _models' autoencoder.
 
 
 def families(params, example, args):
@@ -162,7 +138,11 @@ def _kfac_jax_family(params, args):
     settings.update(num_burnin_steps=1, initial_damping=1.0)
 
   def build():
-    return KfacJaxStepper(kfac_jax, params, settings, args.seed)
+    return T.KfacJaxStepper(
+        kfac_jax, M.autoencoder_kfac_jax_loss, params, args.seed,
+        use_adaptive_learning_rate=True, use_adaptive_momentum=True,
+        use_adaptive_damping=True, estimation_mode="fisher_gradients",
+        **settings)
 
   cand = H.Candidate("kfac-jax 0.0.8", {"config": "its example"}, "kfac-jax",
                      build)
@@ -170,60 +150,6 @@ def _kfac_jax_family(params, args):
                   note="its autoencoder example's settings: " + ", ".join(
                       f"{k}={v}" for k, v in settings.items())
                   + ", adaptive lr/momentum/damping, l2_reg=0")
-
-
-def kfac_jax_loss(params, batch):
-  """The same loss, with kfac-jax's loss registration."""
-  import kfac_jax
-  out = logits(params, batch["x"])
-  kfac_jax.register_sigmoid_cross_entropy_loss(out, batch["x"])
-  return optax.sigmoid_binary_cross_entropy(out, batch["x"]).sum(-1).mean()
-
-
-class KfacJaxStepper:
-  """``kfac_jax.Optimizer`` with adaptive lr, momentum and damping."""
-
-  def __init__(self, kfac_jax, params, settings, seed):
-    # kfac-jax's burn-in donates a batch-shaped buffer XLA cannot reuse.
-    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-    self._opt = kfac_jax.Optimizer(
-        value_and_grad_func=jax.value_and_grad(kfac_jax_loss), l2_reg=0.0,
-        use_adaptive_learning_rate=True, use_adaptive_momentum=True,
-        use_adaptive_damping=True, estimation_mode="fisher_gradients",
-        multi_device=False, **settings)
-    self._burnin = settings["num_burnin_steps"]
-    self._interval = settings["damping_adaptation_interval"]
-    self._params = jax.tree.map(jnp.array, params)
-    self._key = jax.random.PRNGKey(seed)
-    self._state = None
-
-  def step(self, batch):
-    self._key, init_key, step_key = jax.random.split(self._key, 3)
-    if self._state is None:
-      self._state = self._opt.init(self._params, init_key, batch)
-      # Burn-in statistics on the first batch (kfac-jax takes an iterator).
-      it = iter([batch] * (self._burnin + 1))
-      self._params, self._state, stats = self._opt.step(
-          self._params, self._state, step_key, data_iterator=it)
-      self._compile_damping_step(init_key, batch)
-    else:
-      self._params, self._state, stats = self._opt.step(
-          self._params, self._state, step_key, batch=batch)
-    return jax.block_until_ready(stats["loss"])
-
-  def _compile_damping_step(self, key, batch):
-    """kfac-jax compiles its step again for the steps that adapt the
-    damping (every ``damping_adaptation_interval``-th); do it now, on a copy
-    that is then dropped, so that the compile is not on the training clock
-    (ours is not either)."""
-    copy = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
-    state = copy(self._state)
-    state.step_counter = jnp.asarray(self._interval - 1, state.step_counter.dtype)
-    jax.block_until_ready(self._opt.step(copy(self._params), state, key,
-                                         batch=batch))
-
-  def params(self):
-    return self._params
 
 
 # ----------------------------------------------------------------- main
@@ -256,7 +182,7 @@ def main(argv=None):
                      "runs on scikit-learn's digits instead)")
   x = data.train_x.reshape(len(data.train_x), -1)
   d = x.shape[1]
-  dims = FULL if d == 784 and not args.quick else (d,) + QUICK_HIDDEN + (d,)
+  dims = M.AUTOENCODER if d == 784 and not args.quick else (d,) + QUICK_HIDDEN + (d,)
   rng = np.random.default_rng(args.seed)
   eval_x = jnp.asarray(x[rng.permutation(len(x))[:eval_size]])
   train_x = jnp.asarray(x)
@@ -266,7 +192,7 @@ def main(argv=None):
                       f"fixed {len(eval_x)}-image training subset")
 
   take = jax.jit(lambda data, idx: {"x": data[idx]})
-  params = init_params(dims, jax.random.PRNGKey(args.seed))
+  params = M.autoencoder_init(dims, jax.random.PRNGKey(args.seed))
   example = take(train_x, np.arange(batch_size, dtype=np.int32))
   fams = families(params, example, args)
   cands, grids = H.candidates(fams, args)
