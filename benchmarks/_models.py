@@ -102,7 +102,8 @@ def convnet_init(channels, hidden, key, in_channels=1, classes=10):
   for i, c in enumerate(channels):
     fan_in = 9 * c_in
     params[f"conv{i}"] = {
-        "w": jax.random.normal(next(keys), (3, 3, c_in, c)) * np.sqrt(2 / fan_in),
+        "w": (jax.random.normal(next(keys), (3, 3, c_in, c))
+              * np.sqrt(2 / fan_in)),
         "b": jnp.zeros((c,))}
     params[f"norm{i}"] = {"scale": jnp.ones((c,)), "shift": jnp.zeros((c,))}
     c_in = c

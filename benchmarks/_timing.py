@@ -206,7 +206,8 @@ class KfacJaxStepper:
         self._params, self._state, key, **data)
     if first and self._adapt:
       state = fresh(self._state)
-      state.step_counter = jnp.asarray(self._adapt - 1, state.step_counter.dtype)
+      state.step_counter = jnp.asarray(self._adapt - 1,
+                                       state.step_counter.dtype)
       jax.block_until_ready(self._opt.step(fresh(self._params), state, key,
                                            batch=batch))
     return jax.block_until_ready(stats["loss"])

@@ -145,7 +145,8 @@ def main(argv=None):
   data, note = H.load_images(args)
   x = data.train_x.reshape(len(data.train_x), -1)
   d = x.shape[1]
-  dims = M.AUTOENCODER if d == 784 and not args.quick else (d,) + QUICK_HIDDEN + (d,)
+  dims = (M.AUTOENCODER if d == 784 and not args.quick
+          else (d,) + QUICK_HIDDEN + (d,))
   rng = np.random.default_rng(args.seed)
   eval_x = jnp.asarray(x[rng.permutation(len(x))[:eval_size]])
   train_x = jnp.asarray(x)

@@ -2,12 +2,13 @@
 
 ``python benchmarks/autoencoder_check.py [--steps 60]``: the model and loss of
 ``benchmarks/autoencoder.py`` (``_models``: 784-1000-500-250-30-250-500-
-1000-784, batch 1000, sigmoid cross-entropy summed over pixels), ``optax.chain(kfl.kfac(
-loss_fn, batch), optax.sgd(lr, momentum=0.9))`` at lr 0.01, 0.03 and 0.1
-against Adam 1e-3, the same minibatches for all. Prints the evaluation loss
-(a fixed 5000-image training subset) every 10 steps, the wall time of each
-run (compilation included) and ``kfl.health`` of the K-FAC states. A quick
-look, not the time-to-target benchmark (``benchmarks/autoencoder.py``).
+1000-784, batch 1000, sigmoid cross-entropy summed over pixels),
+``optax.chain(kfl.kfac(loss_fn, batch), optax.sgd(lr, momentum=0.9))`` at
+lr 0.01, 0.03 and 0.1 against Adam 1e-3, the same minibatches for all.
+Prints the evaluation loss (a fixed 5000-image training subset) every 10
+steps, the wall time of each run (compilation included) and ``kfl.health``
+of the K-FAC states. A quick look, not the time-to-target benchmark
+(``benchmarks/autoencoder.py``).
 """
 import argparse
 import time
@@ -52,7 +53,8 @@ def main():
       idx = rng.integers(0, len(x), batch_size)
       stepper.step({"x": jnp.asarray(x[idx])})
       if t % 10 == 9 or t == args.steps - 1:
-        out.append(f"{t + 1}:{float(eval_loss(stepper.params(), evaluation)):.1f}")
+        value = float(eval_loss(stepper.params(), evaluation))
+        out.append(f"{t + 1}:{value:.1f}")
     print(f"{name:26s} {time.time() - start:5.0f} s  " + " ".join(out),
           flush=True)
     if is_kfac:
