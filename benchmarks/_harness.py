@@ -405,11 +405,15 @@ def finish_args(args):
     args.max_steps = 8
   if args.platform:
     jax.config.update("jax_platforms", args.platform)
-  args.blas = _blas_pools(args.blas_threads)
+  args.blas = blas_pools(args.blas_threads)
   return args
 
 
-def _blas_pools(n):
+def blas_pools(n):
+  """Caps the BLAS/LAPACK pools behind JAX's CPU linear algebra at ``n``
+  threads (``threadpoolctl``; 0 leaves them) and describes them: jaxlib's
+  CPU ``cholesky``/``eigh`` kernels call scipy's LAPACK (OpenBLAS, with its
+  own thread pool), which competes with XLA's own threads."""
   try:
     import scipy.linalg.cython_lapack  # noqa: F401  (loads scipy's OpenBLAS)
     from threadpoolctl import threadpool_info, threadpool_limits

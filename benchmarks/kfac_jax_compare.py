@@ -164,7 +164,7 @@ def main(argv=None):
                                  random=args.random_data)
   batches = [{"x": jnp.asarray(x)} for x in xs]
   args.budget, args.evals, args.max_steps = 0, 0, None
-  args.blas = H._blas_pools(args.blas_threads)
+  args.blas = H.blas_pools(args.blas_threads)
   H.environment(args, note, f"autoencoder {'-'.join(map(str, dims))}, batch "
                 f"{args.batch}")
   print(f"settings: damping {args.damping} (pi-adjusted), lr {args.lr}, "

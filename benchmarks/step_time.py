@@ -111,67 +111,16 @@ import jaxlib.version  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
+import _cost_model as C  # noqa: E402  (the FLOP floor of the docstring)
 import _data  # noqa: E402  (the benchmarks' shared data loader)
+import _harness as H  # noqa: E402
 import _models as M  # noqa: E402  (the autoencoder, as autoencoder.py's)
 import _timing as T  # noqa: E402
 from _harness import kfl  # noqa: E402
 
-# c of c·n³ per factor inverse; see the module docstring.
-DECOMP_COSTS = (("c=1 potrf+potri", 1.0), ("c=2 gauss-jordan", 2.0),
-                ("c=7/3 chol+solve(I)", 7 / 3), ("c=10 eigh", 10.0))
 METHODS = ("gauss_jordan", "schur", "cholesky", "newton_schulz", "eigh")
 # Issue 13's goals for the amortised T=10 ratios and the compile ratio.
 GOALS = {"1-pass": 2.8, "2-pass": 3.1, "2-pass 1/8": 1.9, "compile": 3.0}
-
-
-# ---------------------------------------------------------- cost model
-
-def floor_ratio(dims, m, *, fraction=1.0, interval=float("inf"), c=1.0,
-                two_pass=False):
-  """K-FAC/SGD FLOP ratio of the cost model (module docstring)."""
-  sgd = kfac = 0.0
-  for d_in, b in zip(dims[:-1], dims[1:]):
-    a = d_in + 1
-    sgd += 6 * m * a * b
-    kfac += (6 * m * a * b + fraction * 2 * m * a * b
-             + fraction * 2 * m * (a * a + b * b) + 2 * (a * a * b + a * b * b)
-             + c * (a ** 3 + b ** 3) / interval)
-    if two_pass:
-      kfac += fraction * 2 * m * a * b
-  return kfac / sgd
-
-
-def model_flops(dims, m):
-  """Per-piece FLOPs of the cost model, summed over the layers."""
-  out = dict(sgd=0.0, forward=0.0, sampled_backward=0.0, covariances=0.0,
-             precondition=0.0, cube=0.0)
-  for d_in, b in zip(dims[:-1], dims[1:]):
-    a = d_in + 1
-    out["sgd"] += 6 * m * a * b
-    out["forward"] += 2 * m * a * b
-    out["sampled_backward"] += 2 * m * a * b
-    out["covariances"] += 2 * m * (a * a + b * b)
-    out["precondition"] += 2 * (a * a * b + a * b * b)
-    out["cube"] += a ** 3 + b ** 3
-  return out
-
-
-def print_floors(dims, m):
-  inf = float("inf")
-  print(f"Cost-model floor of the K-FAC/SGD step-time ratio ({'-'.join(map(str, dims))}, "
-        f"M={m}); c = FLOPs per n³ of one factor inverse")
-  rows = [("T=10, f=1", 1.0, 10), ("T=100, f=1", 1.0, 100),
-          ("T->inf, f=1", 1.0, inf), ("T=10, f=1/8", 1 / 8, 10),
-          ("T->inf, f=1/8", 1 / 8, inf)]
-  head = f"  {'':<16}" + "".join(f"{name:>21}" for name, _ in DECOMP_COSTS)
-  print(head + f"{'2-pass, c=1':>14}")
-  for name, f, t in rows:
-    cells = "".join(f"{floor_ratio(dims, m, fraction=f, interval=t, c=c):>20.3f}x"
-                    for _, c in DECOMP_COSTS)
-    two = floor_ratio(dims, m, fraction=f, interval=t, c=1.0, two_pass=True)
-    print(f"  {name:<16}{cells}{two:>13.3f}x")
-  print("  (design brief: 2.66x for T=10, 2.62x for T->inf, about 1.6x with "
-        "1/8 statistics)")
 
 
 # -------------------------------------------------------------- timing
@@ -309,9 +258,9 @@ def print_table(runners, dims, m, args):
       continue
     amort = r.median + (extra / r.interval if extra is not None and
                         r.interval > 1 else 0.0)
-    fl = floor_ratio(dims, m, fraction=r.fraction / r.cov_every,
+    fl = C.floor_ratio(dims, m, fraction=r.fraction / r.cov_every,
                      interval=r.interval)
-    fl2 = floor_ratio(dims, m, fraction=r.fraction / r.cov_every,
+    fl2 = C.floor_ratio(dims, m, fraction=r.fraction / r.cov_every,
                       interval=r.interval, two_pass=True)
     ref = r.refresh_times()
     ref_s = f"{1e3 * statistics.median(ref):.1f}" if ref and r.interval > 1 else "-"
@@ -339,7 +288,7 @@ def print_summary(runners, dims, m, extra):
     if r is None:
       continue
     amort = r.median + (extra / 10 if extra is not None else 0.0)
-    fl = floor_ratio(dims, m, fraction=fraction, interval=10,
+    fl = C.floor_ratio(dims, m, fraction=fraction, interval=10,
                      two_pass=style == "2-pass")
     print(f"  {r.name:<28}{amort / sgd.median:>6.2f}x   floor {fl:.2f}x   "
           f"goal <= {GOALS[goal]}x")
@@ -370,7 +319,7 @@ def print_compile(runners):
 def time_pieces(loss_fn, params, batch, other_batch, est_fn, dims, args):
   """Median time of each piece of a K-FAC step, against its FLOP model."""
   m = batch["x"].shape[0]
-  flops = model_flops(dims, m)
+  flops = C.model_flops(dims, m)
   key = jax.random.PRNGKey(2)
   layers = est_fn.tagged.detected
   small = {"x": batch["x"][:max(1, m // 8)]}
@@ -460,29 +409,6 @@ def time_pieces(loss_fn, params, batch, other_batch, est_fn, dims, args):
         "newton_schulz: warm-started on factors moved as by 10 steps)")
 
 
-def limit_blas_threads(n):
-  """Cap the BLAS/LAPACK pools JAX's CPU linear algebra calls into.
-
-  jaxlib's CPU ``cholesky``/``triangular_solve``/``eigh`` kernels are
-  scipy's LAPACK (``scipy.linalg.cython_lapack``, OpenBLAS with its own
-  thread pool), which then competes with XLA's own intra-op threads; on a
-  small CPU that can make a refresh step 10-40x slower and very noisy.
-  Returns a line describing the pools.
-  """
-  try:
-    import scipy.linalg.cython_lapack  # noqa: F401  (loads scipy's OpenBLAS)
-    from threadpoolctl import threadpool_info, threadpool_limits
-  except ImportError as e:
-    return f"BLAS pools: unknown ({e}); set OPENBLAS_NUM_THREADS yourself"
-  if n > 0:
-    threadpool_limits(n, user_api="blas")
-  pools = ", ".join(f"{i['internal_api']} {i.get('version')} "
-                    f"({os.path.basename(i['filepath']).split('-')[0]}): "
-                    f"{i['num_threads']} threads" for i in threadpool_info()
-                    if i["user_api"] == "blas")
-  return f"BLAS pools: {pools or 'none loaded'}"
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--batch", type=int, default=None,
@@ -540,8 +466,7 @@ def main(argv=None):
         f"{platform.python_version()}")
   print(f"devices: {jax.devices()} (backend {jax.default_backend()}); host "
         f"{platform.machine()} with {os.cpu_count()} CPUs")
-  print(limit_blas_threads(args.blas_threads)
-        + ("" if args.blas_threads > 0 else " (left as is: no --blas-threads)"))
+  print(f"BLAS pools: {H.blas_pools(args.blas_threads)}")
   print(f"inverse_method {args.inverse_method!r} (resolves to "
         f"{kfl.factor.check_inverse_method(args.inverse_method)!r}); "
         f"environment: " + (", ".join(
@@ -557,7 +482,7 @@ def main(argv=None):
   batches = [{"x": jnp.asarray(x)} for x in xs]
   print(f"data: {note}")
   print()
-  print_floors(dims, args.batch)
+  C.print_floors(dims, args.batch)
   print()
 
   loss_fn = M.make_autoencoder_loss(args.activation)
