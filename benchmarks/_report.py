@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from _harness import RESULTS, Metric, fmt_settings
+from _harness import RESULTS, Metric, fmt_settings, run_all
 
 
 # ----------------------------------------------------------- reporting
@@ -159,6 +159,20 @@ def save(name, args, env, grids, metrics, summary, records):
     print(f" and {stem}.png", end="")
   print()
   return stem
+
+
+def run_and_report(name, candidates, batches_fn, evaluate, args, env, grids,
+                   metrics, reference):
+  """A time-to-target script's end: trains the candidates
+  (``_harness.run_all``, primary metric ``metrics[0]``), prints the
+  tables with ``reference``'s final values as the targets (the tuned
+  K-FAC family competing with its defaults' runs), writes
+  ``<name>.json``/``.png`` and returns the summary."""
+  records = run_all(candidates, batches_fn, evaluate, args, metrics[0].key)
+  summary = report(records, metrics, reference, grids,
+                   compete={"K-FAC+SGD tuned": ["K-FAC+SGD defaults"]})
+  save(name, args, env, grids, metrics, summary, records)
+  return summary
 
 
 def _rounded(obj, digits=6):

@@ -1,13 +1,14 @@
 """A short check that ``kfl.kfac`` at its defaults trains the MNIST autoencoder.
 
 ``python benchmarks/autoencoder_check.py [--steps 60]``: the model and loss of
-``benchmarks/autoencoder.py`` (784-1000-500-250-30-250-500-1000-784, batch
-1000, sigmoid cross-entropy summed over pixels), ``optax.chain(kfl.kfac(
-loss_fn, batch), optax.sgd(lr, momentum=0.9))`` at lr 0.01, 0.03 and 0.1
-against Adam 1e-3, the same minibatches for all. Prints the evaluation loss
-(a fixed 5000-image training subset) every 10 steps, the wall time of each
-run (compilation included) and ``kfl.health`` of the K-FAC states. A quick
-look, not the time-to-target benchmark (``benchmarks/autoencoder.py``).
+``benchmarks/autoencoder.py`` (``_models``: 784-1000-500-250-30-250-500-
+1000-784, batch 1000, sigmoid cross-entropy summed over pixels),
+``optax.chain(kfl.kfac(loss_fn, batch), optax.sgd(lr, momentum=0.9))`` at
+lr 0.01, 0.03 and 0.1 against Adam 1e-3, the same minibatches for all.
+Prints the evaluation loss (a fixed 5000-image training subset) every 10
+steps, the wall time of each run (compilation included) and ``kfl.health``
+of the K-FAC states. A quick look, not the time-to-target benchmark
+(``benchmarks/autoencoder.py``).
 """
 import argparse
 import time
@@ -18,8 +19,11 @@ import numpy as np
 import optax
 
 import _data
-import kfac_jax_lite as kfl
-from autoencoder import FULL, init_params, loss_fn
+import _models as M
+import _timing as T
+from _harness import kfl
+
+loss_fn = M.autoencoder_loss
 
 
 def main():
@@ -32,7 +36,7 @@ def main():
   x = data.train_x.reshape(len(data.train_x), -1).astype(np.float32)
   evaluation = {"x": jnp.asarray(x[:5000])}
   batch_size = 1000
-  params0 = init_params(FULL, jax.random.PRNGKey(0))
+  params0 = M.autoencoder_init(M.AUTOENCODER, jax.random.PRNGKey(0))
   example = {"x": jnp.asarray(x[:batch_size])}
   eval_loss = jax.jit(loss_fn)
   print(f"jax {jax.__version__} on {jax.default_backend()}; {data.source}; "
@@ -42,24 +46,19 @@ def main():
        optax.chain(kfl.kfac(loss_fn, example), optax.sgd(lr, momentum=0.9)),
        True) for lr in args.lrs]
   for name, tx, is_kfac in configs:
-    def step(params, state, batch, tx=tx, is_kfac=is_kfac):
-      loss, g = jax.value_and_grad(loss_fn)(params, batch)
-      extra = {"batch": batch} if is_kfac else {}
-      u, state = tx.update(g, state, params, **extra)
-      return optax.apply_updates(params, u), state, loss
-    step = jax.jit(step)
-    params, state = params0, tx.init(params0)
+    stepper = T.Stepper(loss_fn, params0, tx, "batch=" if is_kfac else "grad")
     rng = np.random.default_rng(0)
     start, out = time.time(), []
     for t in range(args.steps):
       idx = rng.integers(0, len(x), batch_size)
-      params, state, _ = step(params, state, {"x": jnp.asarray(x[idx])})
+      stepper.step({"x": jnp.asarray(x[idx])})
       if t % 10 == 9 or t == args.steps - 1:
-        out.append(f"{t + 1}:{float(eval_loss(params, evaluation)):.1f}")
+        value = float(eval_loss(stepper.params(), evaluation))
+        out.append(f"{t + 1}:{value:.1f}")
     print(f"{name:26s} {time.time() - start:5.0f} s  " + " ".join(out),
           flush=True)
     if is_kfac:
-      print("   ", kfl.health(state[0]), flush=True)
+      print("   ", kfl.health(stepper.opt_state()[0]), flush=True)
 
 
 if __name__ == "__main__":

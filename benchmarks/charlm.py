@@ -30,7 +30,6 @@ Writes ``results/charlm.json`` and ``.png``.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
@@ -43,90 +42,15 @@ import optax  # noqa: E402
 
 import _data  # noqa: E402
 import _harness as H  # noqa: E402
+import _models as M  # noqa: E402
 import _report  # noqa: E402
-from _harness import kfl  # noqa: E402
 
 FULL = dict(layers=2, width=128, heads=4, context=128, batch=32)
 QUICK = dict(layers=1, width=32, heads=2, context=32, batch=8)
 
 
-def init_params(vocab, layers, width, context, key):
-  keys = iter(jax.random.split(key, 4 * layers + 3))
-
-  def dense(i, o, scale=1.0):
-    return {"w": jax.random.normal(next(keys), (i, o)) * scale / np.sqrt(i),
-            "b": jnp.zeros((o,))}
-
-  def norm():
-    return {"scale": jnp.ones((width,)), "shift": jnp.zeros((width,))}
-
-  params = {"embed": jax.random.normal(next(keys), (vocab, width)) * 0.1,
-            "position": jax.random.normal(next(keys), (context, width)) * 0.01}
-  out_scale = 1 / np.sqrt(2 * layers)  # Residual branches start small.
-  for l in range(layers):
-    params[f"block{l}"] = {
-        "norm1": norm(), "qkv": dense(width, 3 * width),
-        "proj": dense(width, width, out_scale), "norm2": norm(),
-        "fc": dense(width, 4 * width), "out": dense(4 * width, width, out_scale)}
-  params["norm"] = norm()
-  params["head"] = dense(width, vocab)
-  return params
-
-
-def _layer_norm(p, h):
-  mean = h.mean(-1, keepdims=True)
-  var = h.var(-1, keepdims=True)
-  return (h - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["shift"]
-
-
-def _attention(p, h, heads):
-  b, t, d = h.shape
-  q, k, v = jnp.split(h @ p["qkv"]["w"] + p["qkv"]["b"], 3, axis=-1)
-  split = lambda x: x.reshape(b, t, heads, d // heads)
-  q, k, v = split(q), split(k), split(v)
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
-  mask = jnp.tril(jnp.ones((t, t), bool))
-  scores = jnp.where(mask, scores, -1e9)
-  att = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-  return att.reshape(b, t, d) @ p["proj"]["w"] + p["proj"]["b"]
-
-
-def logits(params, tokens, heads):
-  """``tokens [B, T]`` int -> ``[B, T, vocab]``."""
-  t = tokens.shape[1]
-  h = params["embed"][tokens] + params["position"][:t]
-  for l in range(sum(k.startswith("block") for k in params)):
-    p = params[f"block{l}"]
-    h = h + _attention(p, _layer_norm(p["norm1"], h), heads)
-    m = jax.nn.gelu(_layer_norm(p["norm2"], h) @ p["fc"]["w"] + p["fc"]["b"])
-    h = h + (m @ p["out"]["w"] + p["out"]["b"])
-  h = _layer_norm(params["norm"], h)
-  return h @ params["head"]["w"] + params["head"]["b"]
-
-
-def make_loss(heads):
-  def loss_fn(params, batch):
-    out = logits(params, batch["x"], heads)
-    return kfl.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean()
-  return loss_fn
-
-
-def muon_dims(params):
-  """Muon on the blocks' matrices; None (AdamW) on everything else."""
-  dims = optax.contrib.MuonDimensionNumbers
-  out = jax.tree.map(lambda _: None, params)
-  for name, block in params.items():
-    if name.startswith("block"):
-      for layer in ("qkv", "proj", "fc", "out"):
-        out[name][layer]["w"] = dims(reduction_axis=0, output_axis=1)
-  return out
-
-
 def families(loss_fn, params, example, args):
-  def optax_family(fid, name, grid, make_tx, style="grad", note=""):
-    return H.Family(fid, name, grid, lambda s: H.optax_candidate(
-        name, s, style, lambda: make_tx(**s), loss_fn, params, example,
-        args.seed), note)
+  optax_family = H.optax_families(loss_fn, params, example, args.seed)
 
   q = args.quick
   out = [
@@ -135,36 +59,15 @@ def families(loss_fn, params, example, args):
       optax_family("sgd", "SGD-momentum", {"lr": [0.3] if q else [0.1, 0.3, 1.0]},
                    lambda lr: optax.sgd(lr, momentum=0.9), note="momentum 0.9"),
   ]
-  muon = H.muon_or_none()
-  if muon is not None and hasattr(optax.contrib, "MuonDimensionNumbers"):
-    out.append(optax_family(
-        "muon", "Muon", {"lr": [0.02] if q else [0.01, 0.03, 0.1],
-                         "adam_lr": [3e-3]},
-        lambda lr, adam_lr: muon(lr, adam_learning_rate=adam_lr,
-                                 muon_weight_dimension_numbers=muon_dims),
-        note="Newton-Schulz on the blocks' matrices, AdamW(adam_lr) on the rest"))
-  else:
-    print(f"Muon: skipped (optax {optax.__version__} lacks optax.contrib.muon "
-          "or MuonDimensionNumbers)")
+  out += H.muon_families(
+      optax_family, [0.02] if q else [0.01, 0.03, 0.1], 3e-3,
+      "Newton-Schulz on the blocks' matrices, AdamW(adam_lr) on the rest",
+      dims=M.charlm_muon_dims)
   out += [
-      optax_family("kfac", "K-FAC+SGD defaults",
-                   {"lr": [0.03] if q else [0.01, 0.03, 0.1]},
-                   lambda lr: optax.chain(kfl.kfac(loss_fn, example),
-                                          optax.sgd(lr, momentum=0.9)),
-                   style=args.kfac_style,
-                   note="kfl.kfac(loss_fn, batch) defaults + sgd(lr, 0.9)"),
-      optax_family("kfac_tuned", "K-FAC+SGD tuned",
-                   {"damping": [0.1] if q else [1e-2, 1e-1, 1.0],
-                    "lr": [0.1] if q else [0.03, 0.1]},
-                   lambda damping, lr: optax.chain(
-                       kfl.kfac(loss_fn, example, damping=damping),
-                       optax.sgd(lr, momentum=0.9)),
-                   style=args.kfac_style,
-                   note="other kfl.kfac settings at their defaults; the "
-                   "defaults' runs compete"),
-      optax_family("kfac_opt", "kfl.kfac_optimizer", {},
-                   lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
-                   note="defaults"),
+      *H.kfac_families(optax_family, loss_fn, example,
+                       [0.03] if q else [0.01, 0.03, 0.1],
+                       [0.1] if q else [1e-2, 1e-1, 1.0],
+                       [0.1] if q else [0.03, 0.1], args.kfac_style),
       # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
       # (SOAP); Adam's lr grid. Wall-clock benefit not yet measured.
       *H.eigen_adam_families(optax_family, loss_fn, example,
@@ -198,10 +101,10 @@ def main(argv=None):
   starts = np.linspace(0, len(text.valid) - t - 1, 64).astype(np.int32)
   valid = np.stack([text.valid[s:s + t + 1] for s in starts])
   valid = {"x": jnp.asarray(valid[:, :-1]), "y": jnp.asarray(valid[:, 1:])}
-  params = init_params(len(text.vocab), sizes["layers"], sizes["width"], t,
+  params = M.charlm_init(len(text.vocab), sizes["layers"], sizes["width"], t,
                        jax.random.PRNGKey(args.seed))
   n_params = sum(x.size for x in jax.tree.leaves(params))
-  loss_fn = make_loss(sizes["heads"])
+  loss_fn = M.make_charlm_loss(sizes["heads"])
   env = H.environment(
       args, text.source,
       f"GPT-style char LM: {sizes['layers']} layers, width {sizes['width']}, "
@@ -230,11 +133,8 @@ def main(argv=None):
     return {"loss": loss_fn(params, valid)}
 
   metrics = [H.Metric("loss", "val loss", "min")]
-  records = H.run_all(cands, batches, evaluate, args, "loss")
-  summary = _report.report(records, metrics, "AdamW", grids,
-                           compete={"K-FAC+SGD tuned": ["K-FAC+SGD defaults"]})
-  _report.save("charlm", args, env, grids, metrics, summary, records)
-  return summary
+  return _report.run_and_report("charlm", cands, batches, evaluate, args,
+                                env, grids, metrics, "AdamW")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,13 @@ cache. Each prints the time of its first step (tracing, lowering, XLA's
 compile or the cache's load, and the run, ``jax.block_until_ready``-ed)
 for SGD and for the README's K-FAC recipe in the one-pass style
 (``kfl.value_grad_and_stats``, then ``tx.update(..., stats=)``). Tracing
-and lowering are not cached: they stay in every process.
+and lowering are not cached: they stay in every process. The model is
+``_models``' autoencoder (tanh, linear code; ``--quick``: 64-32-16-32-64)
+and the steps are ``_timing``'s, as in ``step_time.py``.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -33,8 +34,11 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _models as M  # noqa: E402  (imports jax: the cache is set before compiling)
+
 QUICK = (64, 32, 16, 32, 64)
-AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
 
 
 def child(dims, batch_size, cache_dir):
@@ -43,53 +47,30 @@ def child(dims, batch_size, cache_dir):
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-  import jax.numpy as jnp
   import optax
 
-  import kfac_jax_lite as kfl
+  import _timing as T
+  from _harness import kfl
 
-  keys = jax.random.split(jax.random.PRNGKey(0), len(dims) - 1)
-  params = [{"w": jax.random.normal(k, (i, o)) / jnp.sqrt(i),
-             "b": jnp.zeros(o)} for k, i, o in zip(keys, dims[:-1], dims[1:])]
-
-  def loss_fn(params, batch):
-    h = batch["x"]
-    for i, layer in enumerate(params):
-      h = h @ layer["w"] + layer["b"]
-      if i < len(params) - 1:
-        h = jnp.tanh(h)
-    return optax.sigmoid_binary_cross_entropy(h, batch["x"]).sum(-1).mean()
-
+  loss_fn = M.autoencoder_loss
+  params = M.autoencoder_init(dims, jax.random.PRNGKey(0))
   batch = {"x": jax.random.uniform(jax.random.PRNGKey(1),
                                    (batch_size, dims[0]))}
   sgd = optax.sgd(0.01, momentum=0.9)
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def sgd_step(params, state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, state = sgd.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
   tx = optax.chain(kfl.kfac(loss_fn, batch), optax.sgd(0.01, momentum=0.9))
   est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def kfac_step(params, state, batch, key):
-    est = est_fn(params, batch, key)
-    updates, state = tx.update(est.grads, state, params, stats=est.stats)
-    return optax.apply_updates(params, updates), state, est.loss
+  steps = (("sgd", sgd, "grad"), ("kfac", tx, "1-pass"))
 
   out = {}
-  for name, step, args in (
-      ("sgd", sgd_step, (sgd.init(params), batch)),
-      ("kfac", kfac_step, (tx.init(params), batch, jax.random.PRNGKey(2)))):
-    fresh = jax.tree.map(jnp.copy, params)
+  for name, opt, style in steps:
+    step = T.jit_step(T.make_step(loss_fn, opt, style, est_fn))
+    carry = T.init_carry(params, opt, seed=2)
     t0 = time.perf_counter()
-    lowered = step.lower(fresh, *args)
+    lowered = step.lower(carry, batch)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    jax.block_until_ready(compiled(fresh, *args))
+    jax.block_until_ready(compiled(carry, batch))
     t3 = time.perf_counter()
     out[name] = {"lower": t1 - t0, "compile": t2 - t1, "run": t3 - t2,
                  "total": t3 - t0}
@@ -112,7 +93,7 @@ def main(argv=None):
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
-  dims = QUICK if args.quick else AUTOENCODER
+  dims = QUICK if args.quick else M.AUTOENCODER
   args.batch = args.batch or (256 if args.quick else 1000)
   if args.child:
     return child(dims, args.batch, args.cache_dir)

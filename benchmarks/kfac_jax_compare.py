@@ -7,8 +7,8 @@ kfac-jax 0.0.8 runs only on jax 0.9.1 (see ``benchmarks/README.md`` for
 the one-line virtualenv); without it the script says so and exits (with
 ``--ours-only`` it still times this library against SGD).
 
-Model: the MNIST autoencoder of ``autoencoder.py`` (784-1000-500-250-30-
-250-500-1000-784, tanh with a linear code, sigmoid cross-entropy summed
+Model: the MNIST autoencoder of ``autoencoder.py`` (``_models``;
+784-1000-500-250-30-250-500-1000-784, tanh with a linear code, sigmoid cross-entropy summed
 over pixels and averaged over the batch), MNIST batches (random ones of the
 same shape with ``--random-data``: step time does not depend on the
 values). Both optimizers do the same work per step, configured alike:
@@ -58,121 +58,52 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import _data  # noqa: E402
 import _harness as H  # noqa: E402
-import autoencoder  # noqa: E402
+import _models as M  # noqa: E402
+import _timing as T  # noqa: E402
 from _harness import kfl  # noqa: E402
 
-FULL = autoencoder.FULL
 QUICK = (784, 256, 30, 256, 784)
 MISSING = ("kfac-jax is not importable here ({why}), so there is nothing to "
            "compare: kfac-jax 0.0.8 needs jax 0.9.1. Make its virtualenv "
            "(benchmarks/README.md) and run this script with its python.")
 
 
-def state_bytes(tree):
-  return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
-
-
-class Jitted:
-  """One of our configurations: a donated, jitted step."""
-
-  def __init__(self, name, step, carry):
-    self.name, self._step = name, jax.jit(step, donate_argnums=0)
-    self._carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
-    self.state_bytes = state_bytes(carry[1])
-
-  def step(self, batch):
-    self._carry, loss = self._step(self._carry, batch)
-    return jax.block_until_ready(loss)
-
-
-class KfacJax:
+def kfac_jax_stepper(kfac_jax, params, batch, args):
   """kfac-jax's optimizer with the settings of the module docstring."""
-
-  def __init__(self, kfac_jax, params, batch, args):
-    lr, momentum, damping = args.lr, 0.9, args.damping
-    self.name = "kfac-jax 0.0.8"
-    self._opt = kfac_jax.Optimizer(
-        value_and_grad_func=jax.value_and_grad(autoencoder.kfac_jax_loss),
-        l2_reg=0.0, use_adaptive_learning_rate=False,
-        use_adaptive_momentum=False, use_adaptive_damping=False,
-        learning_rate_schedule=lambda _: lr,
-        momentum_schedule=lambda _: momentum,
-        damping_schedule=lambda _: damping,
-        estimation_mode="fisher_gradients", num_estimator_samples=1,
-        curvature_ema=args.cov_decay, curvature_update_period=1,
-        inverse_update_period=args.inverse_every, use_exact_inverses=False,
-        norm_constraint=None, num_burnin_steps=0, multi_device=False)
-    self._key = jax.random.PRNGKey(args.seed)
-    self._params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
-    self._state = self._opt.init(self._params, jax.random.PRNGKey(1), batch)
-    self.state_bytes = state_bytes(self._state)
-
-  def step(self, batch):
-    self._key, sub = jax.random.split(self._key)
-    self._params, self._state, stats = self._opt.step(
-        self._params, self._state, sub, batch=batch)
-    return jax.block_until_ready(stats["loss"])
+  lr, momentum, damping = args.lr, 0.9, args.damping
+  stepper = T.KfacJaxStepper(
+      kfac_jax, M.autoencoder_kfac_jax_loss, params, args.seed,
+      use_adaptive_learning_rate=False, use_adaptive_momentum=False,
+      use_adaptive_damping=False, learning_rate_schedule=lambda _: lr,
+      momentum_schedule=lambda _: momentum, damping_schedule=lambda _: damping,
+      estimation_mode="fisher_gradients", num_estimator_samples=1,
+      curvature_ema=args.cov_decay, curvature_update_period=1,
+      inverse_update_period=args.inverse_every, use_exact_inverses=False,
+      norm_constraint=None, num_burnin_steps=0)
+  stepper.init(batch)  # For its state_bytes.
+  return stepper
 
 
 def ours(params, batch, args, style):
   tx = optax.chain(
-      kfl.kfac(autoencoder.loss_fn, batch, damping=args.damping,
+      kfl.kfac(M.autoencoder_loss, batch, damping=args.damping,
                estimation="fisher", num_samples=1, cov_decay=args.cov_decay,
                cov_every=1, inverse_every=args.inverse_every,
                damping_mode="pi", norm_constraint=None),
       optax.sgd(args.lr, momentum=0.9))
-  est_fn = kfl.value_grad_and_stats(autoencoder.loss_fn, params, batch,
+  est_fn = kfl.value_grad_and_stats(M.autoencoder_loss, params, batch,
                                     estimation="fisher", num_samples=1)
-
-  def step(carry, batch):
-    p, s, key = carry
-    key, sub = jax.random.split(key)
-    if style == "1-pass":
-      est = est_fn(p, batch, sub)
-      loss, u_s = est.loss, tx.update(est.grads, s, p, stats=est.stats)
-    else:
-      loss, g = jax.value_and_grad(autoencoder.loss_fn)(p, batch)
-      u_s = tx.update(g, s, p, batch=batch)
-    u, s = u_s
-    return (optax.apply_updates(p, u), s, key), loss
-
-  return Jitted(f"ours {style}", step,
-                (params, tx.init(params), jax.random.PRNGKey(args.seed)))
+  return T.Stepper(M.autoencoder_loss, params, tx, style, seed=args.seed,
+                   name=f"ours {style}", est_fn=est_fn)
 
 
 def sgd(params, args):
-  tx = optax.sgd(args.lr, momentum=0.9)
-
-  def step(carry, batch):
-    p, s = carry
-    loss, g = jax.value_and_grad(autoencoder.loss_fn)(p, batch)
-    u, s = tx.update(g, s, p)
-    return (optax.apply_updates(p, u), s), loss
-
-  return Jitted("SGD-momentum", step, (params, tx.init(params)))
-
-
-def make_batches(args, dims):
-  rng = np.random.default_rng(args.seed)
-  n = 4
-  note = "random uniform inputs (--random-data)"
-  x = None
-  if not args.random_data:
-    try:
-      data = _data.load_mnist(args.mnist, not args.no_download)
-      x = data.train_x.reshape(len(data.train_x), -1)
-      note = data.source
-    except _data.DataUnavailable as e:
-      note = f"random uniform inputs (MNIST unavailable: {e})"
-  if x is None or x.shape[1] != dims[0] or len(x) < n * args.batch:
-    x = rng.uniform(size=(n * args.batch, dims[0])).astype(np.float32)
-  idx = rng.permutation(len(x))[:n * args.batch].reshape(n, args.batch)
-  return [{"x": jnp.asarray(x[i])} for i in idx], note
+  return T.Stepper(M.autoencoder_loss, params, optax.sgd(args.lr, momentum=0.9),
+                   "grad", name="SGD-momentum")
 
 
 def time_round_robin(configs, batches, rounds, steps):
@@ -183,17 +114,11 @@ def time_round_robin(configs, batches, rounds, steps):
     c.step(batches[0])
     first[c.name] = time.perf_counter() - t
   out = {c.name: [] for c in configs}
-  k = 1
-  for _ in range(rounds):
-    times = {c.name: [] for c in configs}
-    for _ in range(steps):
-      for c in configs:
-        t = time.perf_counter()
-        c.step(batches[k % len(batches)])
-        times[c.name].append(time.perf_counter() - t)
-      k += 1
-    for name, ts in times.items():
-      out[name].append((statistics.median(ts), statistics.mean(ts)))
+  for r in range(rounds):
+    times = T.round_robin([c.step for c in configs], batches, steps,
+                          start=1 + r * steps)
+    for c, ts in zip(configs, times):
+      out[c.name].append((statistics.median(ts), statistics.mean(ts)))
   return first, out
 
 
@@ -233,10 +158,13 @@ def main(argv=None):
     print(MISSING.format(why=e))
     if not args.ours_only:
       return None
-  dims = QUICK if args.quick else FULL
-  batches, note = make_batches(args, dims)
+  dims = QUICK if args.quick else M.AUTOENCODER
+  xs, note = _data.mnist_batches(args.batch, dims[0], seed=args.seed,
+                                 path=args.mnist, download=not args.no_download,
+                                 random=args.random_data)
+  batches = [{"x": jnp.asarray(x)} for x in xs]
   args.budget, args.evals, args.max_steps = 0, 0, None
-  args.blas = H._blas_pools(args.blas_threads)
+  args.blas = H.blas_pools(args.blas_threads)
   H.environment(args, note, f"autoencoder {'-'.join(map(str, dims))}, batch "
                 f"{args.batch}")
   print(f"settings: damping {args.damping} (pi-adjusted), lr {args.lr}, "
@@ -244,11 +172,11 @@ def main(argv=None):
         f"{args.inverse_every} steps, Fisher with 1 sampled target, no norm "
         f"constraint, no burn-in; {args.rounds} round(s) of {args.steps} "
         "steps, round-robin")
-  params = autoencoder.init_params(dims, jax.random.PRNGKey(args.seed))
+  params = M.autoencoder_init(dims, jax.random.PRNGKey(args.seed))
   configs = [sgd(params, args)]
   configs += [ours(params, batches[0], args, s) for s in args.styles.split(",")]
   if kfac_jax is not None:
-    configs.append(KfacJax(kfac_jax, params, batches[0], args))
+    configs.append(kfac_jax_stepper(kfac_jax, params, batches[0], args))
   first, rounds = time_round_robin(configs, batches, args.rounds, args.steps)
   return print_table(configs, first, rounds, args)
 

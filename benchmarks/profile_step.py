@@ -5,7 +5,7 @@
     python benchmarks/profile_step.py --style sgd      # SGD's step, for reference
     python benchmarks/profile_step.py --quick          # 784-256-64-256-784
 
-The MNIST autoencoder's step (``step_time.py``'s loss and settings, batch
+The MNIST autoencoder's step (``_models``' loss, ``step_time.py``'s settings, batch
 1000, random inputs: time does not depend on the values) is jitted with
 its carry donated, run past its warm-up refreshes and then traced with
 ``jax.profiler.trace`` for ``--steps`` steps. XLA:CPU runs independent
@@ -40,13 +40,12 @@ import sys
 import tempfile
 
 import jax
-import jax.numpy as jnp
 import optax
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                os.pardir, "src"))
-import kfac_jax_lite as kfl  # noqa: E402
-from step_time import AUTOENCODER, QUICK, make_loss, random_problem  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _models as M  # noqa: E402
+import _timing as T  # noqa: E402
+from _harness import kfl  # noqa: E402
 
 # Trace events that are not kernels, or contain kernels.
 NOT_KERNELS = ("while", "cond", "ThunkExecutor", "$", "PjitFunction",
@@ -56,7 +55,7 @@ NOT_KERNELS = ("while", "cond", "ThunkExecutor", "$", "PjitFunction",
 
 
 def make_step(style, loss_fn, params, batch, refresh, fraction):
-  """The jitted, donated step and its carry."""
+  """The jitted, donated step (``_timing.make_step``) and its carry."""
   if style == "sgd":
     tx = optax.sgd(0.01, momentum=0.9)
   else:
@@ -66,22 +65,9 @@ def make_step(style, loss_fn, params, batch, refresh, fraction):
                      optax.sgd(0.01, momentum=0.9))
   est_fn = kfl.value_grad_and_stats(loss_fn, params, batch,
                                     stats_fraction=fraction)
-
-  def step(carry, batch):
-    p, s, key = carry
-    key, sub = jax.random.split(key)
-    if style == "1-pass":
-      est = est_fn(p, batch, sub)
-      loss, (u, s) = est.loss, tx.update(est.grads, s, p, stats=est.stats)
-    else:
-      loss, g = jax.value_and_grad(loss_fn)(p, batch)
-      u, s = (tx.update(g, s, p) if style == "sgd"
-              else tx.update(g, s, p, batch=batch))
-    return (optax.apply_updates(p, u), s, key), loss
-
-  carry = jax.tree.map(lambda x: jnp.array(x, copy=True),
-                       (params, tx.init(params), jax.random.PRNGKey(0)))
-  return jax.jit(step, donate_argnums=0), carry
+  kind = {"sgd": "grad", "2-pass": "batch=", "1-pass": "1-pass"}[style]
+  return (T.jit_step(T.make_step(loss_fn, tx, kind, est_fn)),
+          T.init_carry(params, tx))
 
 
 def kernel_shares(events):
@@ -128,9 +114,9 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--top", type=int, default=25)
   args = p.parse_args(argv)
-  dims = QUICK if args.quick else AUTOENCODER
-  params, batch = random_problem(dims, args.batch)
-  loss_fn = make_loss("tanh")
+  dims = M.AUTOENCODER_SMALL if args.quick else M.AUTOENCODER
+  params, batch = M.random_problem(dims, args.batch)
+  loss_fn = M.autoencoder_loss
   step, carry = make_step(args.style, loss_fn, params, batch, args.refresh,
                           args.fraction)
   hlo = step.lower(carry, batch).compile().as_text()

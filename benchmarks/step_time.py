@@ -3,6 +3,13 @@
     python benchmarks/step_time.py            # 784-1000-500-250-30-250-500-1000-784, batch 1000
     python benchmarks/step_time.py --quick    # a small autoencoder, for a smoke run
 
+The model is the autoencoder of ``autoencoder.py``, defined once in
+``_models``: tanh hidden layers and a **linear** 30-unit code layer (the
+narrowest), sigmoid cross-entropy summed over the pixels and averaged over
+the batch (``--activation relu`` swaps the hidden layers' tanh). Until
+issue 25 this script defined its own copy with a tanh on the code layer as
+well; ``benchmarks/README.md`` lists the results timed on that model.
+
 Per configuration the table gives the median step time after compilation
 (every step is ``jax.block_until_ready``-ed; warm-up steps are excluded),
 its ratio to ``optax.sgd(lr, momentum=0.9)`` on the same model measured in
@@ -90,157 +97,33 @@ values.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import platform
 import statistics
 import sys
 import time
 
-import jax
-import jaxlib
-import jaxlib.version
-import jax.numpy as jnp
-import numpy as np
-import optax
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-try:
-  import kfac_jax_lite as kfl
-except ImportError:  # Not installed: run from a checkout (src layout).
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                  os.pardir, "src"))
-  import kfac_jax_lite as kfl
+import jax  # noqa: E402
+import jaxlib  # noqa: E402
+import jaxlib.version  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 
-import _data  # The benchmarks' shared data loader (benchmarks/_data.py).
+import _cost_model as C  # noqa: E402  (the FLOP floor of the docstring)
+import _data  # noqa: E402  (the benchmarks' shared data loader)
+import _harness as H  # noqa: E402
+import _models as M  # noqa: E402  (the autoencoder, as autoencoder.py's)
+import _timing as T  # noqa: E402
+from _harness import kfl  # noqa: E402
 
-AUTOENCODER = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
-QUICK = (784, 256, 64, 256, 784)
-# c of c·n³ per factor inverse; see the module docstring.
-DECOMP_COSTS = (("c=1 potrf+potri", 1.0), ("c=2 gauss-jordan", 2.0),
-                ("c=7/3 chol+solve(I)", 7 / 3), ("c=10 eigh", 10.0))
 METHODS = ("gauss_jordan", "schur", "cholesky", "newton_schulz", "eigh")
 # Issue 13's goals for the amortised T=10 ratios and the compile ratio.
 GOALS = {"1-pass": 2.8, "2-pass": 3.1, "2-pass 1/8": 1.9, "compile": 3.0}
 
 
-# ----------------------------------------------------------------- data
-
-def load_mnist(path=None, download=True):
-  """MNIST training images ``[50000, 784]`` float32 and a note, or ``(None,
-  why)``; read by the benchmarks' shared loader (``_data.load_mnist``)."""
-  try:
-    data = _data.load_mnist(path, download)
-  except _data.DataUnavailable as e:
-    return None, str(e)
-  x = data.train_x.reshape(len(data.train_x), -1)
-  return x, f"MNIST train images {x.shape} ({data.source})"
-
-
-def make_batches(args, d_in, rng):
-  """A few device-resident batches ``{"x": [M, d_in]}`` to cycle through."""
-  n_batches = 4
-  x, note = (None, "--random-data") if args.random_data else load_mnist(
-      args.mnist, download=not args.no_download)
-  if x is not None and d_in == x.shape[1] and len(x) >= n_batches * args.batch:
-    idx = rng.permutation(len(x))[:n_batches * args.batch]
-    xs = x[idx].reshape(n_batches, args.batch, d_in)
-  else:
-    if x is not None:
-      note = f"MNIST has too few rows for {n_batches} batches of {args.batch}"
-    note = (f"NOTE: random data of the same shape ({note}); step time does "
-            "not depend on the values")
-    xs = rng.uniform(size=(n_batches, args.batch, d_in)).astype(np.float32)
-  return [{"x": jnp.asarray(b)} for b in xs], note
-
-
-# ---------------------------------------------------------------- model
-
-def init_params(dims, key):
-  params = []
-  for k, i, o in zip(jax.random.split(key, len(dims) - 1), dims[:-1], dims[1:]):
-    params.append({"w": jax.random.normal(k, (i, o), jnp.float32) / np.sqrt(i),
-                   "b": jnp.zeros((o,), jnp.float32)})
-  return params
-
-
-def random_problem(dims, batch_size, seed=0):
-  """``(params, batch)``: ``init_params`` and uniform inputs ``[batch_size,
-  dims[0]]`` (step time does not depend on the values; the profiling and
-  stage scripts use it)."""
-  k_params, k_x = jax.random.split(jax.random.PRNGKey(seed))
-  return init_params(dims, k_params), {
-      "x": jax.random.uniform(k_x, (batch_size, dims[0]), jnp.float32)}
-
-
-def make_loss(activation):
-  act = {"tanh": jnp.tanh, "relu": jax.nn.relu}[activation]
-
-  def loss_fn(params, batch):
-    h = batch["x"]
-    for i, layer in enumerate(params):
-      h = h @ layer["w"] + layer["b"]
-      if i < len(params) - 1:
-        h = act(h)
-    return kfl.sigmoid_binary_cross_entropy(h, batch["x"]).sum(-1).mean()
-
-  return loss_fn
-
-
-# ---------------------------------------------------------- cost model
-
-def floor_ratio(dims, m, *, fraction=1.0, interval=float("inf"), c=1.0,
-                two_pass=False):
-  """K-FAC/SGD FLOP ratio of the cost model (module docstring)."""
-  sgd = kfac = 0.0
-  for d_in, b in zip(dims[:-1], dims[1:]):
-    a = d_in + 1
-    sgd += 6 * m * a * b
-    kfac += (6 * m * a * b + fraction * 2 * m * a * b
-             + fraction * 2 * m * (a * a + b * b) + 2 * (a * a * b + a * b * b)
-             + c * (a ** 3 + b ** 3) / interval)
-    if two_pass:
-      kfac += fraction * 2 * m * a * b
-  return kfac / sgd
-
-
-def model_flops(dims, m):
-  """Per-piece FLOPs of the cost model, summed over the layers."""
-  out = dict(sgd=0.0, forward=0.0, sampled_backward=0.0, covariances=0.0,
-             precondition=0.0, cube=0.0)
-  for d_in, b in zip(dims[:-1], dims[1:]):
-    a = d_in + 1
-    out["sgd"] += 6 * m * a * b
-    out["forward"] += 2 * m * a * b
-    out["sampled_backward"] += 2 * m * a * b
-    out["covariances"] += 2 * m * (a * a + b * b)
-    out["precondition"] += 2 * (a * a * b + a * b * b)
-    out["cube"] += a ** 3 + b ** 3
-  return out
-
-
-def print_floors(dims, m):
-  inf = float("inf")
-  print(f"Cost-model floor of the K-FAC/SGD step-time ratio ({'-'.join(map(str, dims))}, "
-        f"M={m}); c = FLOPs per n³ of one factor inverse")
-  rows = [("T=10, f=1", 1.0, 10), ("T=100, f=1", 1.0, 100),
-          ("T->inf, f=1", 1.0, inf), ("T=10, f=1/8", 1 / 8, 10),
-          ("T->inf, f=1/8", 1 / 8, inf)]
-  head = f"  {'':<16}" + "".join(f"{name:>21}" for name, _ in DECOMP_COSTS)
-  print(head + f"{'2-pass, c=1':>14}")
-  for name, f, t in rows:
-    cells = "".join(f"{floor_ratio(dims, m, fraction=f, interval=t, c=c):>20.3f}x"
-                    for _, c in DECOMP_COSTS)
-    two = floor_ratio(dims, m, fraction=f, interval=t, c=1.0, two_pass=True)
-    print(f"  {name:<16}{cells}{two:>13.3f}x")
-  print("  (design brief: 2.66x for T=10, 2.62x for T->inf, about 1.6x with "
-        "1/8 statistics)")
-
-
 # -------------------------------------------------------------- timing
-
-def _block(x):
-  return jax.block_until_ready(x)
-
 
 class Runner:
   """One configuration: a jitted step and its loop state."""
@@ -252,22 +135,16 @@ class Runner:
     # a ``lax.cond``), so every leaf gets its own buffer first (an optimizer
     # state may hold one array twice) and the caller's arrays stay valid.
     self.name, self.step = name, step
-    self.carry = jax.tree.map(lambda x: jnp.array(x, copy=True), carry)
+    self.carry = T.fresh(carry)
     self.interval, self.fraction, self.style = interval, fraction, style
     self.cov_every = cov_every
-    self.times, self.counts, self.count = [], [], 0
+    self.times, self.counts = [], []
     self.loss = float("nan")
 
-  def run(self, batch, record):
-    t0 = time.perf_counter()
-    self.carry, loss = self.step(self.carry, batch)
-    _block((self.carry, loss))
-    dt = time.perf_counter() - t0
-    if record:
-      self.times.append(dt)
-      self.counts.append(self.count)
-    self.count += 1
-    self.loss = loss
+  def __call__(self, batch):
+    """One step, blocked on; keeps the loss."""
+    self.carry, self.loss = self.step(self.carry, batch)
+    jax.block_until_ready((self.carry, self.loss))
 
   @property
   def median(self):
@@ -287,20 +164,16 @@ class Runner:
 
 
 def make_runners(loss_fn, params, batch, args):
-  key = jax.random.PRNGKey(1)
-  runners = []
+  """SGD's runner, then K-FAC's (module docstring), each a ``_timing``
+  step of its style; and the full-batch one-pass estimator."""
+  def runner(name, tx, style, est_fn=None, interval=None, fraction=None,
+             label=None, cov_every=1):
+    step = T.jit_step(T.make_step(loss_fn, tx, style, est_fn))
+    return Runner(name, step, T.init_carry(params, tx, seed=1), interval,
+                  fraction, label, cov_every)
 
-  sgd = optax.sgd(args.lr, momentum=0.9)
-
-  @functools.partial(jax.jit, donate_argnums=0)
-  def sgd_step(carry, batch):
-    p, s = carry
-    loss, g = jax.value_and_grad(loss_fn)(p, batch)
-    u, s = sgd.update(g, s, p)
-    return (optax.apply_updates(p, u), s), loss
-
-  runners.append(Runner("SGD (momentum 0.9)", sgd_step, (params, sgd.init(params))))
-
+  runners = [runner("SGD (momentum 0.9)", optax.sgd(args.lr, momentum=0.9),
+                    "grad")]
   est_fns = {1.0: kfl.value_grad_and_stats(loss_fn, params, batch),
              1 / 8: kfl.value_grad_and_stats(loss_fn, params, batch,
                                              stats_fraction=1 / 8)}
@@ -311,30 +184,13 @@ def make_runners(loss_fn, params, batch, args):
         kfl.kfac(loss_fn, batch, damping=args.damping, inverse_every=interval,
                  stats_fraction=fraction, inverse_method=args.inverse_method),
         optax.sgd(args.kfac_lr, momentum=0.9))
-
-    def two_pass(carry, batch, tx=tx):
-      p, s = carry
-      loss, g = jax.value_and_grad(loss_fn)(p, batch)
-      u, s = tx.update(g, s, p, batch=batch)
-      return (optax.apply_updates(p, u), s), loss
-
-    def one_pass(carry, batch, tx=tx, est_fn=est_fns[fraction]):
-      p, s, k = carry
-      k, sub = jax.random.split(k)
-      est = est_fn(p, batch, sub)
-      u, s = tx.update(est.grads, s, p, stats=est.stats)
-      return (optax.apply_updates(p, u), s, k), est.loss
-
     frac = "1" if fraction == 1 else f"1/{round(1 / fraction)}"
     label = f"K-FAC T={interval} f={frac}"
-    state = tx.init(params)
     if interval != 1 or args.refresh_row:
-      runners.append(Runner(label + " 2-pass",
-                            jax.jit(two_pass, donate_argnums=0),
-                            (params, state), interval, fraction, "2-pass"))
-    runners.append(Runner(label + " 1-pass",
-                          jax.jit(one_pass, donate_argnums=0),
-                          (params, state, key), interval, fraction, "1-pass"))
+      runners.append(runner(label + " 2-pass", tx, "batch=", None, interval,
+                            fraction, "2-pass"))
+    runners.append(runner(label + " 1-pass", tx, "1-pass", est_fns[fraction],
+                          interval, fraction, "1-pass"))
   # The recommended one-pass recipe with amortised statistics: computed
   # only on the updates that accumulate them (kfl.stats_due).
   for cov in args.cov_every:
@@ -342,43 +198,18 @@ def make_runners(loss_fn, params, batch, args):
         kfl.kfac(loss_fn, batch, damping=args.damping, inverse_every=10,
                  cov_every=cov, inverse_method=args.inverse_method),
         optax.sgd(args.kfac_lr, momentum=0.9))
-
-    def amortised(carry, batch, tx=tx):
-      p, s, k = carry
-      k, sub = jax.random.split(k)
-      est = est_fn(p, batch, sub, with_stats=kfl.stats_due(s))
-      u, s = tx.update(est.grads, s, p, stats=est.stats)
-      return (optax.apply_updates(p, u), s, k), est.loss
-    runners.append(Runner(f"K-FAC T=10 cov={cov} 1-pass",
-                          jax.jit(amortised, donate_argnums=0),
-                          (params, tx.init(params), key), 10, 1.0, "1-pass",
-                          cov_every=cov))
+    runners.append(runner(f"K-FAC T=10 cov={cov} 1-pass", tx, "cov", est_fn,
+                          10, 1.0, "1-pass", cov_every=cov))
   # kfl.kfac_optimizer: its quadratic model's products on top of the
   # preconditioner, with the statistics from its own pass (batch=) or from
   # the one-pass estimate (stats=).
   if args.optimizer_rows:
     opt = kfl.kfac_optimizer(loss_fn, batch, inverse_every=10,
                              inverse_method=args.inverse_method)
-
-    def opt_two_pass(carry, batch):
-      p, s = carry
-      loss, g = jax.value_and_grad(loss_fn)(p, batch)
-      u, s = opt.update(g, s, p, batch=batch)
-      return (optax.apply_updates(p, u), s), loss
-
-    def opt_one_pass(carry, batch):
-      p, s, k = carry
-      k, sub = jax.random.split(k)
-      est = est_fn(p, batch, sub)
-      u, s = opt.update(est.grads, s, p, batch=batch, stats=est.stats)
-      return (optax.apply_updates(p, u), s, k), est.loss
-    state = opt.init(params)
-    runners.append(Runner("kfac_optimizer T=10 2-pass",
-                          jax.jit(opt_two_pass, donate_argnums=0),
-                          (params, state), 10, 1.0, "opt 2-pass"))
-    runners.append(Runner("kfac_optimizer T=10 1-pass",
-                          jax.jit(opt_one_pass, donate_argnums=0),
-                          (params, state, key), 10, 1.0, "opt 1-pass"))
+    runners.append(runner("kfac_optimizer T=10 2-pass", opt, "batch=", None,
+                          10, 1.0, "opt 2-pass"))
+    runners.append(runner("kfac_optimizer T=10 1-pass", opt, "1-pass+batch=",
+                          est_fn, 10, 1.0, "opt 1-pass"))
   return runners, est_fn
 
 
@@ -393,17 +224,15 @@ def time_round_robin(runners, batches, warmup, steps):
     c1 = time.perf_counter()
     r.step = lowered.compile()  # XLA.
     c2 = time.perf_counter()
-    r.run(batches[0], record=False)
+    r(batches[0])
     r.compile_s = time.perf_counter() - c0
     r.lower_s, r.xla_s, r.first_s = c1 - c0, c2 - c1, r.compile_s - (c2 - c0)
     text = r.step.as_text()
     r.fusions, r.loops = text.count(" fusion("), text.count(" while(")
-  for i in range(1, warmup):
-    for r in runners:
-      r.run(batches[i % len(batches)], record=False)
-  for i in range(steps):
-    for r in runners:
-      r.run(batches[(warmup + i) % len(batches)], record=True)
+  T.round_robin(runners, batches, warmup - 1, start=1)
+  times = T.round_robin(runners, batches, steps, start=warmup)
+  for r, ts in zip(runners, times):
+    r.times, r.counts = ts, list(range(warmup, warmup + steps))
   return time.perf_counter() - t0
 
 
@@ -429,9 +258,9 @@ def print_table(runners, dims, m, args):
       continue
     amort = r.median + (extra / r.interval if extra is not None and
                         r.interval > 1 else 0.0)
-    fl = floor_ratio(dims, m, fraction=r.fraction / r.cov_every,
+    fl = C.floor_ratio(dims, m, fraction=r.fraction / r.cov_every,
                      interval=r.interval)
-    fl2 = floor_ratio(dims, m, fraction=r.fraction / r.cov_every,
+    fl2 = C.floor_ratio(dims, m, fraction=r.fraction / r.cov_every,
                       interval=r.interval, two_pass=True)
     ref = r.refresh_times()
     ref_s = f"{1e3 * statistics.median(ref):.1f}" if ref and r.interval > 1 else "-"
@@ -459,7 +288,7 @@ def print_summary(runners, dims, m, extra):
     if r is None:
       continue
     amort = r.median + (extra / 10 if extra is not None else 0.0)
-    fl = floor_ratio(dims, m, fraction=fraction, interval=10,
+    fl = C.floor_ratio(dims, m, fraction=fraction, interval=10,
                      two_pass=style == "2-pass")
     print(f"  {r.name:<28}{amort / sgd.median:>6.2f}x   floor {fl:.2f}x   "
           f"goal <= {GOALS[goal]}x")
@@ -487,24 +316,10 @@ def print_compile(runners):
 
 # --------------------------------------------------------------- pieces
 
-def median_times(pieces, reps):
-  """Median seconds of each ``(name, fn, args, ...)``, round-robin (a
-  first call of each compiles; ``update_stages.py`` uses it too)."""
-  for _, fn, args, *_ in pieces:
-    _block(fn(*args))  # Compile.
-  times = [[] for _ in pieces]
-  for _ in range(reps):
-    for ts, (_, fn, args, *_) in zip(times, pieces):
-      t0 = time.perf_counter()
-      _block(fn(*args))
-      ts.append(time.perf_counter() - t0)
-  return [statistics.median(ts) for ts in times]
-
-
 def time_pieces(loss_fn, params, batch, other_batch, est_fn, dims, args):
   """Median time of each piece of a K-FAC step, against its FLOP model."""
   m = batch["x"].shape[0]
-  flops = model_flops(dims, m)
+  flops = C.model_flops(dims, m)
   key = jax.random.PRNGKey(2)
   layers = est_fn.tagged.detected
   small = {"x": batch["x"][:max(1, m // 8)]}
@@ -571,7 +386,7 @@ def time_pieces(loss_fn, params, batch, other_batch, est_fn, dims, args):
       ("  jnp.linalg.inv", inv, (mats,), cube),
       ("  jnp.linalg.eigh", eigh, (mats,), None),
   ]
-  times = median_times(pieces, args.piece_reps)
+  times = T.median_times(pieces, args.piece_reps)
   mm_rate = pieces[0][3] / times[0]
   sgd_t = times[2]
   rate = flops["sgd"] / sgd_t  # The cost model prices every FLOP like SGD's.
@@ -594,29 +409,6 @@ def time_pieces(loss_fn, params, batch, other_batch, est_fn, dims, args):
         "newton_schulz: warm-started on factors moved as by 10 steps)")
 
 
-def limit_blas_threads(n):
-  """Cap the BLAS/LAPACK pools JAX's CPU linear algebra calls into.
-
-  jaxlib's CPU ``cholesky``/``triangular_solve``/``eigh`` kernels are
-  scipy's LAPACK (``scipy.linalg.cython_lapack``, OpenBLAS with its own
-  thread pool), which then competes with XLA's own intra-op threads; on a
-  small CPU that can make a refresh step 10-40x slower and very noisy.
-  Returns a line describing the pools.
-  """
-  try:
-    import scipy.linalg.cython_lapack  # noqa: F401  (loads scipy's OpenBLAS)
-    from threadpoolctl import threadpool_info, threadpool_limits
-  except ImportError as e:
-    return f"BLAS pools: unknown ({e}); set OPENBLAS_NUM_THREADS yourself"
-  if n > 0:
-    threadpool_limits(n, user_api="blas")
-  pools = ", ".join(f"{i['internal_api']} {i.get('version')} "
-                    f"({os.path.basename(i['filepath']).split('-')[0]}): "
-                    f"{i['num_threads']} threads" for i in threadpool_info()
-                    if i["user_api"] == "blas")
-  return f"BLAS pools: {pools or 'none loaded'}"
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--batch", type=int, default=None,
@@ -626,7 +418,8 @@ def main(argv=None):
   p.add_argument("--warmup", type=int, default=5,
                  help="untimed steps first, compilation included (default 5)")
   p.add_argument("--quick", action="store_true",
-                 help=f"small autoencoder {'-'.join(map(str, QUICK))} for a smoke run")
+                 help="small autoencoder "
+                 f"{'-'.join(map(str, M.AUTOENCODER_SMALL))} for a smoke run")
   p.add_argument("--platform", default=None,
                  help="JAX platform to run on (cpu, gpu, tpu); default: JAX's choice")
   p.add_argument("--blas-threads", type=int, default=0,
@@ -663,7 +456,7 @@ def main(argv=None):
   args = p.parse_args(argv)
   if args.platform:
     jax.config.update("jax_platforms", args.platform)
-  dims = QUICK if args.quick else AUTOENCODER
+  dims = M.AUTOENCODER_SMALL if args.quick else M.AUTOENCODER
   args.batch = args.batch or (256 if args.quick else 1000)
   args.steps = args.steps or (6 if args.quick else 10)
   args.warmup = max(1, args.warmup)
@@ -673,26 +466,27 @@ def main(argv=None):
         f"{platform.python_version()}")
   print(f"devices: {jax.devices()} (backend {jax.default_backend()}); host "
         f"{platform.machine()} with {os.cpu_count()} CPUs")
-  print(limit_blas_threads(args.blas_threads)
-        + ("" if args.blas_threads > 0 else " (left as is: no --blas-threads)"))
+  print(f"BLAS pools: {H.blas_pools(args.blas_threads)}")
   print(f"inverse_method {args.inverse_method!r} (resolves to "
         f"{kfl.factor.check_inverse_method(args.inverse_method)!r}); "
         f"environment: " + (", ".join(
             f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.endswith(
                 "_NUM_THREADS") or k == "XLA_FLAGS") or "no thread settings"))
-  print(f"model {'-'.join(map(str, dims))} ({args.activation}, sigmoid "
-        f"cross-entropy .sum(-1).mean()), batch {args.batch}, {args.warmup} "
+  print(f"model {'-'.join(map(str, dims))} ({args.activation}, linear code, "
+        f"sigmoid cross-entropy .sum(-1).mean()), batch {args.batch}, {args.warmup} "
         f"warm-up + {args.steps} timed steps per configuration, round-robin; "
         f"damping {args.damping}, lr SGD {args.lr} / K-FAC {args.kfac_lr}")
-  rng = np.random.default_rng(0)
-  batches, note = make_batches(args, dims[0], rng)
+  xs, note = _data.mnist_batches(args.batch, dims[0], path=args.mnist,
+                                 download=not args.no_download,
+                                 random=args.random_data)
+  batches = [{"x": jnp.asarray(x)} for x in xs]
   print(f"data: {note}")
   print()
-  print_floors(dims, args.batch)
+  C.print_floors(dims, args.batch)
   print()
 
-  loss_fn = make_loss(args.activation)
-  params = init_params(dims, jax.random.PRNGKey(0))
+  loss_fn = M.make_autoencoder_loss(args.activation)
+  params = M.autoencoder_init(dims, jax.random.PRNGKey(0))
   runners, est_fn = make_runners(loss_fn, params, batches[0], args)
   total = time_round_robin(runners, batches, args.warmup, args.steps)
   print(f"Step times ({len(runners)} configurations, {total:.0f} s in all; "

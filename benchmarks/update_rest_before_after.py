@@ -13,16 +13,15 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                os.pardir, "src"))
-import kfac_jax_lite as kfl  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _models as M  # noqa: E402
+import _timing as T  # noqa: E402
+from _harness import kfl  # noqa: E402
 from kfac_jax_lite import _kron  # noqa: E402
 from kfac_jax_lite import factor as fac  # noqa: E402
 from kfac_jax_lite import transform  # noqa: E402
-from step_time import (  # noqa: E402
-    AUTOENCODER, QUICK, make_loss, median_times, random_problem)
 
-loss_fn = make_loss("tanh")  # The autoencoder's loss, as step_time.py's.
+loss_fn = M.autoencoder_loss  # The autoencoder's loss, as step_time.py's.
 
 
 def old_all_finite(tree):
@@ -76,8 +75,8 @@ def main():
   p.add_argument("--quick", action="store_true")
   p.add_argument("--reps", type=int, default=15)
   args = p.parse_args()
-  dims = QUICK if args.quick else AUTOENCODER
-  params, batch = random_problem(dims, 1000)
+  dims = M.AUTOENCODER_SMALL if args.quick else M.AUTOENCODER
+  params, batch = M.random_problem(dims, 1000)
   est = jax.jit(kfl.value_grad_and_stats(loss_fn, params, batch))(
       params, batch, jax.random.PRNGKey(0))
   kfac = kfl.kfac(loss_fn, batch)
@@ -95,7 +94,7 @@ def main():
     t0 = time.perf_counter()
     c = jax.jit(fn).lower(*a).compile()
     comp.append((c, a, time.perf_counter() - t0, c.as_text().count(" fusion(")))
-  medians = median_times([(name, c, a) for (name, _, _), (c, a, _, _) in
+  medians = T.median_times([(name, c, a) for (name, _, _), (c, a, _, _) in
                           zip(cases, comp)], args.reps)
   print(f"model {'-'.join(map(str, dims))}, batch 1000; median of {args.reps}, round-robin")
   print(f"  {'piece':<48}{'ms':>8}{'fusions':>9}{'XLA s':>8}")

@@ -26,15 +26,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                os.pardir, "src"))
-import kfac_jax_lite as kfl  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _models as M  # noqa: E402
+import _timing as T  # noqa: E402
+from _harness import kfl  # noqa: E402
 from kfac_jax_lite import factor as fac  # noqa: E402
 from kfac_jax_lite import transform  # noqa: E402
-from step_time import (  # noqa: E402
-    AUTOENCODER, QUICK, make_loss, median_times, random_problem)
 
-loss_fn = make_loss("tanh")  # The autoencoder's loss, as step_time.py's.
+loss_fn = M.autoencoder_loss  # The autoencoder's loss, as step_time.py's.
 
 
 def main(argv=None):
@@ -48,8 +47,8 @@ def main(argv=None):
   p.add_argument("--only", default=None,
                  help="run only the stages whose name contains this")
   args = p.parse_args(argv)
-  dims = QUICK if args.quick else AUTOENCODER
-  params, batch = random_problem(dims, args.batch)
+  dims = M.AUTOENCODER_SMALL if args.quick else M.AUTOENCODER
+  params, batch = M.random_problem(dims, args.batch)
   key = jax.random.PRNGKey(0)
   est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
   kfac = kfl.kfac(loss_fn, batch, damping=1.0, inverse_every=10)
@@ -112,7 +111,7 @@ def main(argv=None):
       fname = re.sub(r"\W+", "_", name.strip()).strip("_") + ".hlo.txt"
       with open(os.path.join(args.dump, fname), "w") as f:
         f.write(text)
-  medians = (median_times([(row[0], c, a) for row, (c, a) in
+  medians = (T.median_times([(row[0], c, a) for row, (c, a) in
                            zip(rows, compiled)], args.reps)
              if args.reps else [None] * len(rows))
   print(f"model {'-'.join(map(str, dims))}, batch {args.batch}, jax {jax.__version__}")

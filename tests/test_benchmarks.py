@@ -188,18 +188,81 @@ def test_muon_specs_cover_the_matrices():
   if not hasattr(getattr(optax, "contrib", None), "MuonDimensionNumbers"):
     pytest.skip("this optax has no Muon dimension numbers")
   import jax
-  cn, lm = importlib.import_module("convnet"), importlib.import_module("charlm")
+  M = importlib.import_module("_models")
   key = jax.random.PRNGKey(0)  # Shapes only (eval_shape): nothing compiles.
-  params = jax.eval_shape(lambda: cn.init_params((4, 8), 16, key))
-  conv = _muon_leaves(cn.muon_dims(params), params)
+  params = jax.eval_shape(lambda: M.convnet_init((4, 8), 16, key))
+  conv = _muon_leaves(M.convnet_muon_dims(params), params)
   assert conv["['conv1']['w']"].reduction_axis == (0, 1, 2)
   assert conv["['dense0']['w']"].output_axis == 1
   assert conv["['norm0']['scale']"] is None and conv["['conv0']['b']"] is None
-  params = jax.eval_shape(lambda: lm.init_params(10, 2, 8, 4, key))
-  spec = _muon_leaves(lm.muon_dims(params), params)
+  params = jax.eval_shape(lambda: M.charlm_init(10, 2, 8, 4, key))
+  spec = _muon_leaves(M.charlm_muon_dims(params), params)
   muon = sorted(k for k, v in spec.items() if v is not None)
   assert muon == sorted(f"['block{l}']['{n}']['w']" for l in range(2)
                         for n in ("qkv", "proj", "fc", "out"))
+
+
+def test_autoencoder_code_layer_is_linear():
+  """``_models``' autoencoder, the one every script times and trains:
+  tanh after each hidden layer but the narrowest (the code), whose
+  pre-activations pass through unchanged (issue 25: ``step_time.py`` had
+  a tanh there)."""
+  import jax
+  import numpy as np
+  M = importlib.import_module("_models")
+  dims = (5, 4, 2, 4, 5)
+  params = M.autoencoder_init(dims, jax.random.PRNGKey(0))
+  params = [{"w": 3.0 * p["w"], "b": p["b"] + 1.0} for p in params]
+  x = np.random.default_rng(0).uniform(size=(3, 5)).astype(np.float32)
+  h = x
+  for i, p in enumerate(params):
+    h = h @ np.asarray(p["w"]) + np.asarray(p["b"])
+    if i in (0, 2):
+      h = np.tanh(h)
+    if i == 1:
+      assert np.abs(h).max() > 1  # A tanh here would have bounded it.
+  np.testing.assert_allclose(M.autoencoder_logits(params, x), h, rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_round_robin_takes_one_step_of_each_in_turn():
+  T = importlib.import_module("_timing")
+  calls = []
+  times = T.round_robin([lambda b: calls.append(("a", b)),
+                         lambda b: calls.append(("b", b))],
+                        ["x", "y", "z"], 4, start=2)
+  assert calls == [("a", "z"), ("b", "z"), ("a", "x"), ("b", "x"),
+                   ("a", "y"), ("b", "y"), ("a", "z"), ("b", "z")]
+  assert [len(t) for t in times] == [4, 4] and min(map(min, times)) >= 0
+
+
+def test_make_step_styles_agree_on_sgd():
+  """Every style of ``_timing.make_step`` takes the same SGD step (the
+  K-FAC keywords go to a transform that ignores them), in float64."""
+  import jax
+  import optax
+  M, T = importlib.import_module("_models"), importlib.import_module("_timing")
+  from _helpers import x64_mode
+  kfl = H.kfl
+  with x64_mode(True):
+    params = jax.tree.map(lambda a: a.astype("float64"), M.autoencoder_init(
+        (6, 3, 6), jax.random.PRNGKey(0)))
+    batch = {"x": jax.random.uniform(jax.random.PRNGKey(1), (4, 6), "float64")}
+    loss = M.autoencoder_loss
+    g = jax.grad(loss)(params, batch)
+    want = jax.tree.map(lambda p, d: p - 0.1 * d, params, g)
+    sgd = optax.sgd(0.1)
+    tx = optax.GradientTransformationExtraArgs(
+        sgd.init, lambda u, s, p=None, **_: sgd.update(u, s, p))
+    est_fn = kfl.value_grad_and_stats(loss, params, batch)
+    for style in T.STYLES:
+      if style == "cov":
+        continue  # Needs a kfl.kfac state for kfl.stats_due.
+      (p, _, _), value = T.make_step(loss, tx, style, est_fn)(
+          T.init_carry(params, tx), batch)
+      assert abs(value - loss(params, batch)) < 1e-12, style
+      for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(want)):
+        assert abs(a - b).max() < 1e-12, style
 
 
 def test_kfac_jax_compare_says_why_it_skips(capsys):
