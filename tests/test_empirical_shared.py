@@ -208,6 +208,22 @@ def test_trains_through_kfac_and_without_a_recognised_loss():
     assert loss_fn(p, batch) < 0.9 * first
     assert kfl.health(s[0]).ok, kfl.health(s[0])
 
+  # The batch= style: the transform computes the statistics itself.
+  tx = optax.chain(kfl.kfac(unread, batch, estimation="empirical_shared"),
+                   optax.sgd(0.03, momentum=0.9))
+
+  @jax.jit
+  def batch_step(p, s):
+    loss, g = jax.value_and_grad(unread)(p, batch)
+    u, s = tx.update(g, s, p, batch=batch, loss=loss)
+    return optax.apply_updates(p, u), s
+
+  p, s = params, tx.init(params)
+  for _ in range(30):
+    p, s = batch_step(p, s)
+  assert unread(p, batch) < 0.9 * unread(params, batch)
+  assert kfl.health(s[0]).ok, kfl.health(s[0])
+
 
 def test_laplace_refuses_it_with_the_alternative():
   with pytest.raises(ValueError, match="estimation='empirical'"):
