@@ -62,18 +62,6 @@ def report(records, metrics, reference, grids, compete=None,
   ``grids`` (family -> setting -> values) marks a best setting at an end
   of its grid with ``*``: the optimum may lie outside the grid.
   """
-  print()
-  print("All runs (final values at the budget):")
-  width = max(len(f"{r['family']} {fmt_settings(r['settings'])}")
-              for r in records)
-  for r in records:
-    label = f"{r['family']} {fmt_settings(r['settings'])}"
-    if r.get("failed"):
-      print(f"  {label:<{width}}  FAILED: {r['failed']}")
-      continue
-    vals = "  ".join(f"{m.label} {r['final'][m.key]:.4g}" for m in metrics)
-    print(f"  {label:<{width}}  {r['steps']:>6} steps  {vals}"
-          f"{'  (diverged)' if r['diverged'] else ''}")
   best = best_runs(records, metrics[0], compete)
   ref = best.get(reference)
   targets = {}
@@ -82,6 +70,23 @@ def report(records, metrics, reference, grids, compete=None,
       targets[m.key] = None
     else:
       targets[m.key] = ref["final"][m.key]
+  print()
+  print("All runs (final values at the budget; t->tgt: training clock to "
+        f"{reference}'s best final {metrics[0].label}):")
+  width = max(len(f"{r['family']} {fmt_settings(r['settings'])}")
+              for r in records)
+  for r in records:
+    label = f"{r['family']} {fmt_settings(r['settings'])}"
+    if r.get("failed"):
+      print(f"  {label:<{width}}  FAILED: {r['failed']}")
+      continue
+    vals = "  ".join(f"{m.label} {r['final'][m.key]:.4g}" for m in metrics)
+    hit = time_to(r, metrics[0], targets[metrics[0].key])
+    reach = (f"t->tgt {hit[0]:5.1f} s at step {hit[1]}" if hit else
+             "t->tgt never" if targets[metrics[0].key] is not None else "")
+    print(f"  {label:<{width}}  {r['steps']:>6} steps  "
+          f"{1e3 * r['median_step_s']:7.1f} ms/step  {vals}  {reach}"
+          f"{'  (diverged)' if r['diverged'] else ''}")
   sgd_step = best[sgd]["median_step_s"] if sgd in best and not best[sgd].get(
       "failed") else None
   print()

@@ -89,6 +89,10 @@ def families(params, example, args):
       *H.eigen_adam_families(optax_family, loss_fn, example,
                              [3e-3] if quick else [3e-4, 1e-3, 3e-3], args.kfac_style),
   ]
+  # Issue 25: the amortisation presets at the defaults' best lr (README
+  # Results), one setting moved at a time.
+  out.append(H.amortised_family(loss_fn, params, example, 3e-2,
+                                args.kfac_style, args.seed))
   kfac_jax_family = _kfac_jax_family(params, args)
   if kfac_jax_family is not None:
     out.append(kfac_jax_family)

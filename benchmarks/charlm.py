@@ -75,6 +75,10 @@ def families(loss_fn, params, example, args):
                              args.kfac_style,
                              weight_decay=1e-4),
   ]
+  # Issue 25: the amortisation presets at the defaults' best lr (README
+  # Results), one setting moved at a time.
+  out.append(H.amortised_family(loss_fn, params, example, 3e-2,
+                                args.kfac_style, args.seed))
   return out
 
 

@@ -71,6 +71,10 @@ def families(params, example, args):
       *H.eigen_adam_families(optax_family, loss_fn, example,
                              [3e-3] if q else [3e-4, 1e-3, 3e-3], args.kfac_style),
   ]
+  # Issue 25: the amortisation presets at the defaults' best lr (README
+  # Results), one setting moved at a time.
+  out.append(H.amortised_family(loss_fn, params, example, 1e-2,
+                                args.kfac_style, args.seed))
   return out
 
 

@@ -153,6 +153,38 @@ def test_autoencoder_quick(tmp_path):
   assert summary["rows"][1]["style"] == "1-pass"
 
 
+def test_amortised_presets_step_in_the_one_pass_style(tmp_path, capsys):
+  """Issue 25's presets run, and their one-pass step skips the statistics
+  on the steps a preset's ``cov_every`` does not use: the statistics sit
+  behind the state's flag (one ``cond`` in the program), which is set on
+  every fifth step."""
+  pytest.importorskip("sklearn")
+  ae = importlib.import_module("autoencoder")
+  summary = ae.main(QUICK + ["--out", str(tmp_path), "--no-plot", "--only",
+                             "adam,kfac_amortised", "--set",
+                             "kfac_amortised.config=cov5,shared"])
+  _check_summary(summary, tmp_path, "autoencoder",
+                 ["Adam", "K-FAC+SGD amortised"], False)
+  assert "config=shared" in capsys.readouterr().out
+  import jax
+  import kfac_jax_lite as kfl
+  M = importlib.import_module("_models")
+  x = jax.random.uniform(jax.random.PRNGKey(0), (8, 6))
+  params = M.autoencoder_init((6, 3, 6), jax.random.PRNGKey(1))
+  cand = H.amortised_family(M.autoencoder_loss, params, {"x": x}, 0.01,
+                            "1-pass", 0, ["cov5"]).make(
+                                {"config": "cov5", "lr": 0.01})
+  assert cand.style == "cov"
+  stepper = cand.build()
+  program = str(jax.make_jaxpr(stepper._step)(stepper._carry, {"x": x}))
+  assert " cond[" in program
+  due = []
+  for _ in range(7):
+    due.append(bool(kfl.stats_due(stepper.opt_state())))
+    stepper.step({"x": x})
+  assert due == [True, False, False, False, False, True, False]
+
+
 def test_convnet_quick(tmp_path):
   pytest.importorskip("sklearn")
   cn = importlib.import_module("convnet")

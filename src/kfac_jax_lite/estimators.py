@@ -51,6 +51,25 @@ with ``u_e`` by estimation mode:
   example, ``1/k`` of it for ``k`` elements of equal weight. Fallback
   blocks then see ``√N ∇L`` (no per-example gradients: exact for one
   example).
+* ``"empirical_shared"`` — ``"empirical"`` without its backward pass: the
+  layer cotangents ``g_i`` of ``L`` itself, which the gradient's backward
+  pass computes anyway, rescaled per example,
+
+      h_i = g_i / √(Σ_{e∈i} c_e²),
+
+  where ``g_i = Σ_{e∈i} c_e J_eᵀ ∇_o ℓ_e`` (its rows of ``∂L/∂y``). When
+  the nonzero ``c_e`` of an example are equal (a mean, a sum, a binary
+  mask: every standard reduction) this is ``"empirical"``'s
+  ``Σ_e √(c_e/c_i) J_eᵀ ∇_o ℓ_e`` exactly, so the statistics are equal; with
+  unequal weights within an example (a weighted per-token loss) ``G`` is
+  ``Σ_i c_i/(Σ_{e∈i} c_e²) g_i g_iᵀ`` instead. It costs no backward pass
+  beyond the gradient's, only the blocks' products (Kunstner et al. 2019:
+  the empirical Fisher is biased away from the Fisher where the model fits
+  the data poorly; measure before preferring it). A layer whose rows are
+  not mapped to examples (``Layer.spread``) is scaled by the mean over the
+  examples, exact when the examples weigh the same. Without a loss it is
+  ``"empirical"``'s loss-free rule below, which is the same rule with
+  ``c_i = 1/N``. Fallback blocks see ``√N ∇L``, as without a loss.
 * ``"curvature_prop"`` — ``u = B r`` with ``B Bᵀ = M`` and Rademacher ``r``
   (Martens et al. 2012).
 * ``"exact"`` — every column of ``B`` (one batched backward pass over the
@@ -93,8 +112,8 @@ from kfac_jax_lite._fraction import (  # noqa: F401 (re-exported)
 
 __all__ = ["ESTIMATIONS", "Estimate", "estimate", "linearized_outputs"]
 
-ESTIMATIONS = ("fisher", "empirical", "curvature_prop", "exact",
-               "curvature_prop_ggn", "exact_ggn")
+ESTIMATIONS = ("fisher", "empirical", "empirical_shared", "curvature_prop",
+               "exact", "curvature_prop_ggn", "exact_ggn")
 """The ``estimation`` modes (see the module doc)."""
 # The modes whose directions are not random: a fallback block gets the
 # per-example gradients (N backward passes per sample), see the module doc.
@@ -155,7 +174,7 @@ def check_has_loss(tagged, estimation, where):
     estimation: the configured estimation mode.
     where: the API named in the error.
   """
-  if tagged.losses or estimation == "empirical":
+  if tagged.losses or estimation in ("empirical", "empirical_shared"):
     return
   seen = ("; its terms: " + "; ".join(tagged.unrecognised)
           if tagged.unrecognised else "")
@@ -280,7 +299,40 @@ def _samples_of(layer, data):
   return data.cotangents.shape[1 if layer.stack else 0]
 
 
-def _layer_stats(tagged, caps, cots, c_i, states):
+def _rescaled(data, scales, stacked):
+  """``data`` with its cotangents (or per-example gradients) times
+  ``scales``, the per-example factors laid out as ``data``'s rows (the
+  ``weights`` of ``layer_data`` called with them in place of ``c_i``)."""
+  if scales is None:
+    return data
+  axis = 2 if stacked else 1  # [L?, S, N, ...]
+
+  def times(x):
+    r = jnp.asarray(scales)
+    if r.ndim != 1 or x.ndim <= axis or x.shape[axis] != r.shape[0]:
+      r = jnp.mean(r)  # Rows not laid out by example: the mean factor.
+      return x * r.astype(x.dtype)
+    return x * _along(r, axis, x.ndim).astype(x.dtype)
+  if data.cotangents is not None:
+    data = data._replace(cotangents=times(data.cotangents))
+  if data.grads is not None:
+    data = data._replace(grads=tuple(times(g) for g in data.grads))
+  return data
+
+
+def _layer_data(tagged, caps, cots, c_i, row_scale):
+  """``tagged.layer_data`` with each example's cotangents times
+  ``row_scale[i]`` (None: unscaled)."""
+  data = tagged.layer_data(caps, cots, c_i)
+  if row_scale is None:
+    return data
+  scales = tagged.layer_data(caps, cots, row_scale)
+  return {l.name: _rescaled(data[l.name], scales[l.name].weights,
+                            bool(l.stack))
+          for l in tagged.detected}
+
+
+def _layer_stats(tagged, caps, cots, c_i, states, row_scale=None):
   """Every detected layer's statistics from its captured data.
 
   ``cots``: ``{probe uid: [S, ...]}``. A layer whose data no longer has the
@@ -290,7 +342,7 @@ def _layer_stats(tagged, caps, cots, c_i, states):
   statistics are a mean over samples of one sample's, but a sum of squares
   (a diagonal block) of folded samples would square their sum.
   """
-  data = tagged.layer_data(caps, cots, c_i)
+  data = _layer_data(tagged, caps, cots, c_i, row_scale)
   num_samples = next(iter(cots.values())).shape[0] if cots else 1
   folded = [l for l in tagged.detected
             if _samples_of(l, data[l.name]) not in (None, num_samples)]
@@ -299,7 +351,8 @@ def _layer_stats(tagged, caps, cots, c_i, states):
            for l in tagged.detected if l.name not in folded_names}
   if folded:
     def one_sample(cot):
-      one = tagged.layer_data(caps, {u: x[None] for u, x in cot.items()}, c_i)
+      one = _layer_data(tagged, caps, {u: x[None] for u, x in cot.items()},
+                        c_i, row_scale)
       return {l.name: l.block.layer_stats(one[l.name], _state_of(states, l))
               for l in folded}
 
@@ -391,6 +444,20 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
     raise ValueError("the batch is empty: its registered loss has no examples")
   c_i = sum(_per_example(c, n, t.example_axis)
             for c, t in zip(c_elems, tagged.losses))
+  if estimation == "empirical_shared":  # The gradient's own cotangents.
+    squares = sum(_per_example(jnp.square(jnp.maximum(c, 0)), n,
+                               t.example_axis)
+                  for c, t in zip(c_elems, tagged.losses))
+    row_scale = jnp.where(squares > 0, jax.lax.rsqrt(
+        jnp.where(squares > 0, squares, 1)), 0)
+    stats = _layer_stats(tagged, caps, {u: probe_ct[u][None]
+                                        for u in layer_uids},
+                         c_i, states, row_scale)
+    if has_fallbacks:
+      stats.update(_fallback_stats(
+          tagged, jax.tree.map(lambda g: g[None] * math.sqrt(n), local_grads),
+          states))
+    return Estimate(loss, aux, grads, stats, c_i)
   k_layers, k_fallback = jax.random.split(key)
   d, _ = _output_cotangents(tagged, caps, c_elems, c_i, estimation,
                             k_layers, num_samples, True)

@@ -83,7 +83,9 @@ def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
       (module docstring): ``"fisher"`` (targets sampled from the model's
       registered predictive distribution: the true Fisher), ``"empirical"``
       (``"fisher"`` at the data targets; works without a registered or
-      recognised loss),
+      recognised loss), ``"empirical_shared"`` (``"empirical"`` read from
+      the gradient's own backward pass, so no second one: equal to it for a
+      mean, sum or masked loss; module doc of ``kfl.estimators``),
       ``"curvature_prop"`` (Rademacher projections of a square root of the
       output Fisher), ``"exact"`` (all its columns: the exact Kronecker
       factors, cost × output size), and ``"curvature_prop_ggn"``,

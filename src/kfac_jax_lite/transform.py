@@ -350,6 +350,9 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     estimation: where the statistics' output cotangents come from:
       ``"fisher"`` (targets sampled from the model: the true Fisher),
       ``"empirical"`` (``"fisher"`` at the data targets; any loss works),
+      ``"empirical_shared"`` (``"empirical"`` from the gradient's own
+      backward pass: no second backward pass; equal to ``"empirical"`` for
+      a mean, sum or masked loss),
       ``"curvature_prop"`` (Rademacher projections of the output Fisher's
       square root), ``"exact"`` (all its columns), and
       ``"curvature_prop_ggn"``/``"exact_ggn"`` (the output Hessian's: the

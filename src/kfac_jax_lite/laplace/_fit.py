@@ -91,6 +91,11 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
     raise ValueError(f"structure must be one of {STRUCTURES}, got "
                      f"{structure!r}")
   estimators.check_estimation(estimation, num_samples)
+  if estimation == "empirical_shared":
+    raise ValueError("kfl.laplace.fit: estimation='empirical_shared' saves "
+                     "a training step's backward pass; a posterior has no "
+                     "step to share: use estimation='empirical' (the same "
+                     "statistics for a mean, sum or masked loss)")
   if blocks is not None and structure == "full":
     raise ValueError("blocks= applies to the blockwise structures "
                      f"{tuple(BLOCKWISE)}, not to 'full'")
