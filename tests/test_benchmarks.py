@@ -334,3 +334,17 @@ def test_estimator_scale_prints_the_convention():
   for _, k, ws, layer, mode, r, se in rows:
     assert k == 4 and 0 < se < 0.2 and abs(r - 1) < 5 * se, (ws, layer, mode,
                                                             r, se)
+
+
+def test_estimation_steps_quick():
+  """The equal-steps table runs; ``"empirical_shared"`` trains exactly as
+  ``"empirical"`` (the same statistics, a mean loss)."""
+  pytest.importorskip("sklearn")
+  es = importlib.import_module("estimation_steps")
+  rows = es.main(["--quick", "--steps", "4", "--lr", "0.03", "--models",
+                  "autoencoder"])
+  by = {r[2]: r for r in rows}
+  assert set(by) == {"fisher", "empirical", "empirical_shared"}
+  np.testing.assert_allclose(by["empirical_shared"][4], by["empirical"][4],
+                             rtol=1e-4)
+  assert all(r[5] == "ok" for r in rows)
