@@ -237,7 +237,7 @@ def rebase_moments(m, v, old, new, nu_rebase="project"):
   rs = []
   for fo, fn in ((old.a, new.a), (old.g, new.g)):
     qo, qn = _basis(fo), _basis(fn)
-    rs.append(None if qo is None else _t(qo) @ qn)
+    rs.append(None if qo is None or qn is None else _t(qo) @ qn)
   ra, rg = rs
   m = to_basis(m, ra, rg)
   if nu_rebase == "project":

@@ -179,6 +179,10 @@ class KroneckerBlock(Block):
   """
 
   input_diagonal = False
+  # Provided by each subclass (dataclass fields or properties).
+  layout: _layout.Layout
+  damping_mode: str
+  renorm_coeff: float
 
   @property
   def param_shapes(self):
@@ -260,6 +264,11 @@ class FlatBlock(Block):
   Subclasses provide ``param_shapes``, ``diagonal`` and ``compute_stats``
   returning the new diagonal ``[n]`` or matrix ``[n, n]``.
   """
+
+  # Provided by each subclass (dataclass fields, class attributes or
+  # properties).
+  param_shapes: tuple[tuple[int, ...], ...]
+  diagonal: bool
 
   @property
   def size(self):
