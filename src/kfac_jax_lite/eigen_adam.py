@@ -338,7 +338,7 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
       damping_mode="exact", stats_fraction=stats_fraction, blocks=blocks,
       exclude=exclude, weight_sharing=weight_sharing, has_aux=has_aux,
       example_axis=example_axis)
-  tagged_for = kfac_tx.update.layers
+  tagged_for = kfac_tx.update.layers  # pyright: ignore[reportAttributeAccessIssue]  # kfac's update_fn carries .layers (an attribute optax's type does not declare)
 
   def rotated(tagged):
     return [l for l in tagged.layers if is_rotated(l)]
@@ -371,7 +371,7 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
     v_hat = v / (1 - b2 ** count_inc).astype(v.dtype)
     return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), m, v
 
-  def update_fn(grads, state, params=None, *, batch=None, stats=None,
+  def update_fn(updates, state, params=None, *, batch=None, stats=None,
                 **extra_args):
     del extra_args
     if params is None:
@@ -382,7 +382,7 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
                        "precomputed stats=)")
     tagged = tagged_for(params)
     layers = rotated(tagged)
-    leaves, treedef = jax.tree.flatten(grads)
+    leaves, treedef = jax.tree.flatten(updates)  # The gradients.
     vectors = {l.name: tuple(leaves[i].reshape(s) for i, s in zip(
         l.leaves, l.block.param_shapes)) for l in layers}
     key, stats_key = jax.random.split(state.key)

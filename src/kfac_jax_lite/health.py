@@ -134,7 +134,8 @@ class Health(NamedTuple):
   def stalled(self) -> bool:
     """After ``STALL_MIN_LOSSES`` finite losses, the recent loss is not
     below the starting one by ``STALL_MIN_DROP`` of its magnitude."""
-    if self.num_losses < STALL_MIN_LOSSES or self.loss_start is None:
+    if (self.num_losses < STALL_MIN_LOSSES or self.loss_start is None
+        or self.loss_recent is None):
       return False
     target = self.loss_start - STALL_MIN_DROP * abs(self.loss_start)
     return not self.loss_recent < target

@@ -191,7 +191,7 @@ def _check_axis_name(axis_name, params, data):
 def _check_damping(damping, where="kfac"):
   """A constant damping must be a positive finite number; a schedule is
   checked at step 0 when it can be evaluated there."""
-  value = damping
+  value: Any = damping  # A number, an array or a tracer: float() decides.
   if callable(damping):
     try:
       value = damping(0)
@@ -479,7 +479,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
         health=_health_state.init(params, float_dtype(leaves)),
         stats_due=jnp.ones((), jnp.int32))
 
-  def update_fn(grads, state, params=None, *, batch=None, stats=None,
+  def update_fn(updates, state, params=None, *, batch=None, stats=None,
                 damping=None, loss=None, **extra_args):
     del extra_args
     if params is None:
@@ -525,7 +525,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
                      is_refresh_step(state.count, inverse_every), state.count,
                      precon_power=precon_power, inverse_method=inverse_method,
                      axis_name=axis_name)
-    leaves, treedef = jax.tree.flatten(grads)
+    leaves, treedef = jax.tree.flatten(updates)  # The gradients.
     out = precondition(layers, states, leaves, lam, precon_power)
     scale = clip(out, leaves, norm_constraint, dtype)
     out, grads_ok, update_ok = guard(out, leaves, damping_ok, scale)
