@@ -149,6 +149,8 @@ class Block(abc.ABC):
       "multiply_inverse", "multiply_cholesky", "multiply_cholesky_inverse",
       "to_dense")
   consumes: ClassVar[str] = ACTIVATIONS
+  # Provided by each subclass (a dataclass field or a property).
+  param_shapes: tuple[tuple[int, ...], ...]
 
   @abc.abstractmethod
   def compute_stats(self, *args, weights=None):
@@ -265,10 +267,7 @@ class FlatBlock(Block):
   returning the new diagonal ``[n]`` or matrix ``[n, n]``.
   """
 
-  # Provided by each subclass (dataclass fields, class attributes or
-  # properties).
-  param_shapes: tuple[tuple[int, ...], ...]
-  diagonal: bool
+  diagonal: bool  # Provided by each subclass (a field or class attribute).
 
   @property
   def size(self):

@@ -51,7 +51,7 @@ class Table(list):
   loss_lines: tuple = ()
   #: The error the first K-FAC step on the example batch would raise (what
   #: ``kfl.kfac`` refuses at ``tx.init``), or None (set by ``describe``).
-  first_step = None
+  first_step: str | None = None
 
   @property
   def total_bytes(self):
