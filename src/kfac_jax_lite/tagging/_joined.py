@@ -22,6 +22,7 @@ walk's mixin that matches it in a ``dot_general``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import numpy as np
 
@@ -93,6 +94,12 @@ def apply_layout(view, eqn):
 
 class JoinedMatching:
   """Mixin of ``_analysis.Analysis``: a ``Joined`` kernel's dense uses."""
+
+  # Provided by _analysis.Analysis and _matching.ViewMatching.
+  _record: Callable[..., None]
+  _bias_add: Callable[..., Any]
+  _follow: Callable[..., list]
+  _single_consumer: Callable[..., Any]
 
   def _dense_joined(self, i, eqn, k, jv, ctx):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
