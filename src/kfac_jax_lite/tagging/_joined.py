@@ -141,7 +141,7 @@ class JoinedMatching:
       base = len(part.stacked)
       in_axes = tuple(sorted(jv.leaf_axis(p, a) - base for a in kc
                              if jv.leaf_axis(p, a) is not None))
-      config = dict(in_axes=in_axes, kernel_shape=tuple(
+      config: dict[str, Any] = dict(in_axes=in_axes, kernel_shape=tuple(
           part.leaf_shape[base:]), joined=(
               len(jv.parts), "output" if oj is not None else "input"))
       roles = {"kernel": part}

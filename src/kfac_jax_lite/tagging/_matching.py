@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.core  # Explicit, so that type checkers see jax.core.ShapedArray.
 import numpy as np
 
 from kfac_jax_lite.tagging import _views
