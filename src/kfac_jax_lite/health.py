@@ -18,10 +18,13 @@ loss=)``, or its statistics pass on ``batch=``) or a sequence passed as
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
 import jax
 import numpy as np
+import optax
+from jax.typing import ArrayLike
 
 from kfac_jax_lite import _health_state
 from kfac_jax_lite import factor as fac
@@ -226,7 +229,8 @@ def _block_counts(blocks):
   return skipped, failed, unready
 
 
-def health(state, losses=None) -> Health:
+def health(state: optax.OptState,
+           losses: ArrayLike | Sequence[float] | None = None) -> Health:
   """The health counters of every K-FAC state inside ``state``, summed.
 
   ``state`` is any pytree holding ``kfl.kfac`` or ``kfl.kfac_optimizer``

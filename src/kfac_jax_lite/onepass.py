@@ -27,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from kfac_jax_lite import tagging
 from kfac_jax_lite import transform
@@ -35,7 +36,7 @@ from kfac_jax_lite.estimators import (
     check_stats_fraction, estimate, stats_batch_size, stats_slice)
 
 
-def stats_due(state):
+def stats_due(state: optax.OptState) -> jax.Array:
   """Whether the next ``kfl.kfac`` update accumulates statistics.
 
   ``state``: an optax state holding one ``kfl.kfac`` state (its own, a
