@@ -103,7 +103,10 @@ that is not finite keeps the previous basis.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Callable, NamedTuple
+
+import chex
 
 import jax
 import jax.numpy as jnp
@@ -270,12 +273,17 @@ def _check(name, value, allowed):
                      f"{value!r}")
 
 
-def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
-               eps=1e-8, eps_root=0.0, basis="kfac", refresh="eigh",
-               refresh_every=10, nu_rebase="keep", cov_decay=0.95,
-               estimation="fisher", num_samples=1, stats_fraction=1.0,
-               blocks=None, exclude=(), weight_sharing="expand",
-               axis_name=None, has_aux=False, seed=0, example_axis=None
+def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
+               b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+               eps_root: float = 0.0, basis: str = "kfac",
+               refresh: str = "eigh", refresh_every: int = 10,
+               nu_rebase: str = "keep", cov_decay: float = 0.95,
+               estimation: str = "fisher", num_samples: int = 1,
+               stats_fraction: float = 1.0,
+               blocks: Mapping[str, Any] | None = None,
+               exclude: Sequence[str] = (), weight_sharing: str = "expand",
+               axis_name: Hashable | None = None, has_aux: bool = False,
+               seed: int = 0, example_axis: chex.ArrayTree | None = None
                ) -> optax.GradientTransformationExtraArgs:
   """Adam in the eigenbasis of each layer's Kronecker factors (module
   docstring); chain it with ``optax.scale_by_learning_rate(lr)``.

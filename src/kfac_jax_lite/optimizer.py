@@ -57,6 +57,8 @@ from __future__ import annotations
 import typing
 from typing import Any, Callable, NamedTuple
 
+import chex
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -114,11 +116,13 @@ def _require(ok, message):
     raise ValueError(f"kfac_optimizer: {message}")
 
 
-def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
-                   min_damping=1e-5, max_damping=1e8, damping_decay=19 / 20,
-                   damping_adaptation_interval=5, l2_reg=0.0,
-                   curvature="ggn", use_momentum=True, max_momentum=0.99,
-                   has_aux=False, **kfac_options
+def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
+                   initial_damping: float = 0.1, min_damping: float = 1e-5,
+                   max_damping: float = 1e8, damping_decay: float = 19 / 20,
+                   damping_adaptation_interval: int = 5, l2_reg: float = 0.0,
+                   curvature: str = "ggn", use_momentum: bool = True,
+                   max_momentum: float = 0.99, has_aux: bool = False,
+                   **kfac_options: Any
                    ) -> optax.GradientTransformationExtraArgs:
   """The Martens–Grosse K-FAC optimizer (module docstring).
 
