@@ -89,8 +89,8 @@ def update(h: HealthState, first, params, clipped, loss, seen, dtype
       num_losses=k + seen.astype(jnp.int32))
 
 
-def counted(state, params, grads_ok, update_ok, damping_ok, scaled, seen,
-            dtype) -> dict:
+def counted(state, params, grads_ok, update_ok, damping_ok, scaled,
+            seen: tuple[Any, Any], dtype) -> dict:
   """The new counters of a ``KfacState`` after one update (its fields, for
   ``state._replace``): the skip counters (the transform's module doc) and
   ``health`` (``update``; ``seen`` its ``(loss, seen)``)."""

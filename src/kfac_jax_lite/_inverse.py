@@ -194,7 +194,7 @@ def gauss_jordan_inverse(m, block_size: int = BLOCK_SIZE):
   return _finish(*_negated_gauss_jordan(m, block_size), symmetric=True)
 
 
-def _negated_schur(m, leaf_size, block_size):
+def _negated_schur(m, leaf_size, block_size) -> tuple[jax.Array, jax.Array]:
   """``(−m⁻¹, smallest pivot)`` by one Schur-complement split.
 
   With ``N_A = −A⁻¹``, ``V = N_A B`` (refined once), ``S = D + Bᵀ V``,

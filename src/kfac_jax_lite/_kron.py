@@ -18,7 +18,7 @@ Either factor may be diagonal (the embedding block's input factor is).
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import jax.numpy as jnp
 from jax.scipy.linalg import block_diag, solve_triangular
@@ -28,11 +28,17 @@ from kfac_jax_lite import factor as fac
 DAMPING_MODES = ("pi", "exact")
 
 
-class KroneckerState(NamedTuple):
-  """State of a Kronecker block: input factor ``a`` and output factor ``g``."""
+# A block state's leaves: ``fac.FactorState`` in a state, ``jax.Array`` in
+# statistics (the same pytree structure with the new covariances as leaves).
+Leaf = TypeVar("Leaf")
 
-  a: fac.FactorState
-  g: fac.FactorState
+
+class KroneckerState(NamedTuple, Generic[Leaf]):
+  """State of a Kronecker block: input factor ``a`` and output factor ``g``
+  (as statistics: the arrays ``A`` and ``G``)."""
+
+  a: Leaf
+  g: Leaf
 
 
 def check_damping_mode(mode: str, where: str):

@@ -97,7 +97,7 @@ def train(steps, lr, use_kfac, seed=0, batch=256):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--lr", type=float, default=0.01,
                       help="K-FAC + SGD learning rate (the README's 0.01 "

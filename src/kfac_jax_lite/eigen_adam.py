@@ -103,7 +103,10 @@ that is not finite keeps the previous basis.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Callable, NamedTuple
+
+import chex
 
 import jax
 import jax.numpy as jnp
@@ -237,7 +240,7 @@ def rebase_moments(m, v, old, new, nu_rebase="project"):
   rs = []
   for fo, fn in ((old.a, new.a), (old.g, new.g)):
     qo, qn = _basis(fo), _basis(fn)
-    rs.append(None if qo is None else _t(qo) @ qn)
+    rs.append(None if qo is None or qn is None else _t(qo) @ qn)
   ra, rg = rs
   m = to_basis(m, ra, rg)
   if nu_rebase == "project":
@@ -270,12 +273,17 @@ def _check(name, value, allowed):
                      f"{value!r}")
 
 
-def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
-               eps=1e-8, eps_root=0.0, basis="kfac", refresh="eigh",
-               refresh_every=10, nu_rebase="keep", cov_decay=0.95,
-               estimation="fisher", num_samples=1, stats_fraction=1.0,
-               blocks=None, exclude=(), weight_sharing="expand",
-               axis_name=None, has_aux=False, seed=0, example_axis=None
+def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
+               b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+               eps_root: float = 0.0, basis: str = "kfac",
+               refresh: str = "eigh", refresh_every: int = 10,
+               nu_rebase: str = "keep", cov_decay: float = 0.95,
+               estimation: str = "fisher", num_samples: int = 1,
+               stats_fraction: float = 1.0,
+               blocks: Mapping[str, Any] | None = None,
+               exclude: Sequence[str] = (), weight_sharing: str = "expand",
+               axis_name: Hashable | None = None, has_aux: bool = False,
+               seed: int = 0, example_axis: chex.ArrayTree | None = None
                ) -> optax.GradientTransformationExtraArgs:
   """Adam in the eigenbasis of each layer's Kronecker factors (module
   docstring); chain it with ``optax.scale_by_learning_rate(lr)``.
@@ -338,7 +346,7 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
       damping_mode="exact", stats_fraction=stats_fraction, blocks=blocks,
       exclude=exclude, weight_sharing=weight_sharing, has_aux=has_aux,
       example_axis=example_axis)
-  tagged_for = kfac_tx.update.layers
+  tagged_for = kfac_tx.update.layers  # pyright: ignore[reportAttributeAccessIssue]  # kfac's update_fn carries .layers (an attribute optax's type does not declare)
 
   def rotated(tagged):
     return [l for l in tagged.layers if is_rotated(l)]
@@ -371,7 +379,7 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
     v_hat = v / (1 - b2 ** count_inc).astype(v.dtype)
     return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), m, v
 
-  def update_fn(grads, state, params=None, *, batch=None, stats=None,
+  def update_fn(updates, state, params=None, *, batch=None, stats=None,
                 **extra_args):
     del extra_args
     if params is None:
@@ -382,7 +390,7 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
                        "precomputed stats=)")
     tagged = tagged_for(params)
     layers = rotated(tagged)
-    leaves, treedef = jax.tree.flatten(grads)
+    leaves, treedef = jax.tree.flatten(updates)  # The gradients.
     vectors = {l.name: tuple(leaves[i].reshape(s) for i, s in zip(
         l.leaves, l.block.param_shapes)) for l in layers}
     key, stats_key = jax.random.split(state.key)

@@ -65,6 +65,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.scipy import linalg as jsl
+from jax.typing import ArrayLike
 
 from kfac_jax_lite import _inverse
 from kfac_jax_lite import _packing
@@ -196,7 +197,8 @@ def update_cov_if(state: FactorState, new_stats, decay, weight, ok) -> FactorSta
       num_skipped=state.num_skipped + jnp.where(ok, 0, 1).astype(jnp.int32))
 
 
-def update_cov(state: FactorState, new_stats, decay, weight=1.0) -> FactorState:
+def update_cov(state: FactorState, new_stats: Array, decay: ArrayLike,
+               weight: ArrayLike = 1.0) -> FactorState:
   """Zero-debiased EMA update of a factor with fresh statistics ``new_stats``.
 
   ``S <- decay*S + (1-decay)*weight*new_stats``, ``W <- decay*W +
@@ -263,7 +265,7 @@ def damped_cholesky(state: FactorState, damping) -> Array:
   return jnp.linalg.cholesky(_damped(c, damping))
 
 
-def damped_matpower(state: FactorState, damping, exp, *,
+def damped_matpower(state: FactorState, damping: ArrayLike, exp: float, *,
                     use_cache: bool = False, method: str = "auto") -> Array:
   """``(C + damping·I)^exp`` for any real ``exp``.
 
@@ -367,7 +369,7 @@ def multiply_matpower(state: FactorState, x: Array, damping, exp, *,
                                 method=method), x, is_diagonal(state))
 
 
-def multiply_inverse(state: FactorState, x: Array, damping, *,
+def multiply_inverse(state: FactorState, x: Array, damping: ArrayLike, *,
                      use_cache: bool = False) -> Array:
   """``(C + damping·I)^{-1} @ x``; a Cholesky solve unless ``use_cache``."""
   if use_cache or is_diagonal(state):

@@ -18,10 +18,13 @@ loss=)``, or its statistics pass on ``batch=``) or a sequence passed as
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, Optional
 
 import jax
 import numpy as np
+import optax
+from jax.typing import ArrayLike
 
 from kfac_jax_lite import _health_state
 from kfac_jax_lite import factor as fac
@@ -134,7 +137,8 @@ class Health(NamedTuple):
   def stalled(self) -> bool:
     """After ``STALL_MIN_LOSSES`` finite losses, the recent loss is not
     below the starting one by ``STALL_MIN_DROP`` of its magnitude."""
-    if self.num_losses < STALL_MIN_LOSSES or self.loss_start is None:
+    if (self.num_losses < STALL_MIN_LOSSES or self.loss_start is None
+        or self.loss_recent is None):
       return False
     target = self.loss_start - STALL_MIN_DROP * abs(self.loss_start)
     return not self.loss_recent < target
@@ -225,7 +229,8 @@ def _block_counts(blocks):
   return skipped, failed, unready
 
 
-def health(state, losses=None) -> Health:
+def health(state: optax.OptState,
+           losses: ArrayLike | Sequence[float] | None = None) -> Health:
   """The health counters of every K-FAC state inside ``state``, summed.
 
   ``state`` is any pytree holding ``kfl.kfac`` or ``kfl.kfac_optimizer``

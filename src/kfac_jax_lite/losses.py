@@ -11,7 +11,11 @@ any reduction is handled without telling the library.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -54,51 +58,57 @@ def _batch(args, dims, **params):
 batching.primitive_batchers[loss_tag_p] = _batch
 
 
-def registered_loss(distribution: dists.PredictiveDistribution, outputs,
-                    targets):
+def registered_loss(distribution: dists.PredictiveDistribution,
+                    outputs: ArrayLike | Sequence[ArrayLike],
+                    targets: ArrayLike | Sequence[ArrayLike]) -> jax.Array:
   """Per-element NLL of ``targets`` under ``distribution(outputs)``, tagged.
 
   ``outputs`` and ``targets``: arrays or tuples of arrays, as the
   distribution lays them out. Use this to register a custom distribution.
   """
-  outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-  targets = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
-  if len(outputs) != len(distribution.event_ndims):
+  outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+  targs = tuple(targets) if isinstance(targets, (tuple, list)) else (targets,)
+  if len(outs) != len(distribution.event_ndims):
     raise ValueError(f"{type(distribution).__name__} takes "
-                     f"{len(distribution.event_ndims)} outputs, got {len(outputs)}")
-  values = distribution.loss(outputs, targets)
-  return loss_tag_p.bind(values, *outputs, *targets, distribution=distribution,
-                         num_outputs=len(outputs))
+                     f"{len(distribution.event_ndims)} outputs, got {len(outs)}")
+  values = distribution.loss(outs, targs)
+  return loss_tag_p.bind(values, *outs, *targs, distribution=distribution,
+                         num_outputs=len(outs))
 
 
-def softmax_cross_entropy(logits, labels):
+def softmax_cross_entropy(logits: jax.Array, labels: ArrayLike) -> jax.Array:
   """``optax.softmax_cross_entropy``: ``-Σ labels · log_softmax(logits)``."""
   return registered_loss(dists.Categorical(), logits, labels)
 
 
-def softmax_cross_entropy_with_integer_labels(logits, labels):
+def softmax_cross_entropy_with_integer_labels(logits: jax.Array,
+                                              labels: ArrayLike) -> jax.Array:
   """``optax.softmax_cross_entropy_with_integer_labels``."""
   return registered_loss(dists.Categorical(integer_labels=True), logits, labels)
 
 
-def sigmoid_binary_cross_entropy(logits, labels):
+def sigmoid_binary_cross_entropy(logits: jax.Array,
+                                 labels: ArrayLike) -> jax.Array:
   """``optax.sigmoid_binary_cross_entropy``, elementwise."""
   return registered_loss(dists.Bernoulli(), logits, jnp.asarray(labels, logits.dtype))
 
 
-def squared_error(predictions, targets=None):
+def squared_error(predictions: jax.Array,
+                  targets: ArrayLike | None = None) -> jax.Array:
   """``optax.squared_error``: ``(predictions - targets)²``, a Normal of
   variance ½."""
   targets = jnp.zeros_like(predictions) if targets is None else targets
   return registered_loss(dists.Normal(0.5), predictions, targets)
 
 
-def l2_loss(predictions, targets=None):
+def l2_loss(predictions: jax.Array,
+            targets: ArrayLike | None = None) -> jax.Array:
   """``optax.l2_loss``: ``½(predictions - targets)²``, a Normal of variance 1."""
   targets = jnp.zeros_like(predictions) if targets is None else targets
   return registered_loss(dists.Normal(1.0), predictions, targets)
 
 
-def gaussian_nll(mean, variance, targets):
+def gaussian_nll(mean: jax.Array, variance: jax.Array,
+                 targets: ArrayLike) -> jax.Array:
   """``½ log(2π·variance) + (targets - mean)²/(2·variance)``, elementwise."""
   return registered_loss(dists.NormalMeanVariance(), (mean, variance), targets)

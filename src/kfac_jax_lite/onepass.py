@@ -24,9 +24,14 @@ pays for the statistics whatever ``cov_every`` says.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from kfac_jax_lite import tagging
 from kfac_jax_lite import transform
@@ -35,7 +40,7 @@ from kfac_jax_lite.estimators import (
     check_stats_fraction, estimate, stats_batch_size, stats_slice)
 
 
-def stats_due(state):
+def stats_due(state: optax.OptState) -> jax.Array:
   """Whether the next ``kfl.kfac`` update accumulates statistics.
 
   ``state``: an optax state holding one ``kfl.kfac`` state (its own, a
@@ -54,10 +59,16 @@ def stats_due(state):
   return found[0].stats_due > 0
 
 
-def value_grad_and_stats(loss_fn, params, batch, *, estimation="fisher",
-                         num_samples=1, stats_fraction=1.0, has_aux=False,
-                         blocks=None, exclude=(), weight_sharing="expand",
-                         damping_mode="pi", example_axis=None):
+def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
+                         batch: chex.ArrayTree, *, estimation: str = "fisher",
+                         num_samples: int = 1, stats_fraction: float = 1.0,
+                         has_aux: bool = False,
+                         blocks: Mapping[str, Any] | None = None,
+                         exclude: Sequence[str] = (),
+                         weight_sharing: str = "expand",
+                         damping_mode: str = "pi",
+                         example_axis: chex.ArrayTree | None = None
+                         ) -> Callable[..., Estimate]:
   """``fn(params, batch, key) -> Estimate``: the loss, its gradient and the
   curvature statistics of every block, for ``kfac``'s ``update(..., stats=)``.
 

@@ -54,7 +54,10 @@ by tying γ² to it).
 """
 from __future__ import annotations
 
+import typing
 from typing import Any, Callable, NamedTuple
+
+import chex
 
 import jax
 import jax.numpy as jnp
@@ -113,11 +116,13 @@ def _require(ok, message):
     raise ValueError(f"kfac_optimizer: {message}")
 
 
-def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
-                   min_damping=1e-5, max_damping=1e8, damping_decay=19 / 20,
-                   damping_adaptation_interval=5, l2_reg=0.0,
-                   curvature="ggn", use_momentum=True, max_momentum=0.99,
-                   has_aux=False, **kfac_options
+def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
+                   initial_damping: float = 0.1, min_damping: float = 1e-5,
+                   max_damping: float = 1e8, damping_decay: float = 19 / 20,
+                   damping_adaptation_interval: int = 5, l2_reg: float = 0.0,
+                   curvature: str = "ggn", use_momentum: bool = True,
+                   max_momentum: float = 0.99, has_aux: bool = False,
+                   **kfac_options: Any
                    ) -> optax.GradientTransformationExtraArgs:
   """The Martens–Grosse K-FAC optimizer (module docstring).
 
@@ -205,7 +210,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
 
   def tagged_for(params):
     # The preconditioner's own detection: one trace of loss_fn serves both.
-    tagged = inner.update.layers(params)
+    tagged = inner.update.layers(params)  # pyright: ignore[reportAttributeAccessIssue]  # kfac's update_fn carries .layers (an attribute optax's type does not declare)
     if not tagged.losses:
       seen = ("; its terms: " + "; ".join(tagged.unrecognised)
               if tagged.unrecognised else "")
@@ -228,10 +233,12 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     tagged_for(params)  # Refuse a loss_fn without a loss here, not at a step.
     zeros = jax.tree.map(jnp.zeros_like, params)
     scalar = lambda x: jnp.asarray(x, transform.float_dtype(params))
-    return KfacOptimizerState(inner.init(params), scalar(initial_damping),
+    # optax types every transform's state as OptState; kfac's is a KfacState.
+    kfac_state = typing.cast(transform.KfacState, inner.init(params))
+    return KfacOptimizerState(kfac_state, scalar(initial_damping),
                               zeros, scalar(0.0), scalar(0.0), scalar(0.0))
 
-  def update_fn(grads, state, params=None, *, batch=None, stats=None,
+  def update_fn(updates, state, params=None, *, batch=None, stats=None,
                 loss=None, **extra_args):
     del extra_args
     if params is None or batch is None:
@@ -239,9 +246,10 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     tagged = tagged_for(params)
     dtype = transform.float_dtype(params)
     lam = state.damping.astype(dtype)
-    precond, kstate = inner.update(grads, state.kfac, params, batch=batch,
+    precond, kstate = inner.update(updates, state.kfac, params, batch=batch,
                                    stats=stats, damping=lam + l2_reg,
                                    loss=loss)
+    kstate = typing.cast(transform.KfacState, kstate)  # As in init_fn.
     delta = jax.tree.map(lambda u: -u, precond)
     first = kstate.count == 1
     vel = state.velocity
@@ -251,7 +259,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     forms = forms.astype(dtype)
     gram = jnp.array([[_tree_dot(delta, delta), _tree_dot(delta, vel)],
                       [_tree_dot(vel, delta), _tree_dot(vel, vel)]], dtype)
-    b = jnp.array([_tree_dot(grads, delta), _tree_dot(grads, vel)], dtype)
+    b = jnp.array([_tree_dot(updates, delta), _tree_dot(updates, vel)], dtype)
     q_undamped = forms + l2_reg * gram
     q = q_undamped + lam * gram
     # Minimise ½[α μ]Q[α μ]ᵀ + [α μ]·b with μ in [0, max_momentum]: the

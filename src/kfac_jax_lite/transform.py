@@ -63,7 +63,10 @@ clipping scale in the same pass as its selects.
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Callable, NamedTuple
+
+import chex
 
 import jax
 import jax.numpy as jnp
@@ -191,7 +194,7 @@ def _check_axis_name(axis_name, params, data):
 def _check_damping(damping, where="kfac"):
   """A constant damping must be a positive finite number; a schedule is
   checked at step 0 when it can be evaluated there."""
-  value = damping
+  value: Any = damping  # A number, an array or a tracer: float() decides.
   if callable(damping):
     try:
       value = damping(0)
@@ -315,12 +318,17 @@ DEFAULT_DAMPING = 1e-3
 DEFAULT_NORM_CONSTRAINT = 1.0
 
 
-def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
-         estimation="fisher", num_samples=1, cov_decay=0.95, cov_every=1,
-         inverse_every=10, damping_mode="pi", stats_fraction=1.0,
-         precon_power=-1.0, norm_constraint=DEFAULT_NORM_CONSTRAINT,
-         blocks=None, exclude=(), weight_sharing="expand", axis_name=None,
-         has_aux=False, seed=0, inverse_method="auto", example_axis=None
+def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
+         damping: float | optax.Schedule = DEFAULT_DAMPING,
+         estimation: str = "fisher", num_samples: int = 1,
+         cov_decay: float = 0.95, cov_every: int = 1, inverse_every: int = 10,
+         damping_mode: str = "pi", stats_fraction: float = 1.0,
+         precon_power: float = -1.0,
+         norm_constraint: float | None = DEFAULT_NORM_CONSTRAINT,
+         blocks: Mapping[str, Any] | None = None, exclude: Sequence[str] = (),
+         weight_sharing: str = "expand", axis_name: Hashable | None = None,
+         has_aux: bool = False, seed: int = 0, inverse_method: str = "auto",
+         example_axis: chex.ArrayTree | None = None
          ) -> optax.GradientTransformationExtraArgs:
   """The K-FAC preconditioner as an optax transformation (module docstring).
 
@@ -482,7 +490,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
         health=_health_state.init(params, float_dtype(leaves)),
         stats_due=jnp.ones((), jnp.int32))
 
-  def update_fn(grads, state, params=None, *, batch=None, stats=None,
+  def update_fn(updates, state, params=None, *, batch=None, stats=None,
                 damping=None, loss=None, **extra_args):
     del extra_args
     if params is None:
@@ -528,7 +536,7 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
                      is_refresh_step(state.count, inverse_every), state.count,
                      precon_power=precon_power, inverse_method=inverse_method,
                      axis_name=axis_name)
-    leaves, treedef = jax.tree.flatten(grads)
+    leaves, treedef = jax.tree.flatten(updates)  # The gradients.
     out = precondition(layers, states, leaves, lam, precon_power)
     scale = clip(out, leaves, norm_constraint, dtype)
     out, grads_ok, update_ok = guard(out, leaves, damping_ok, scale)

@@ -98,7 +98,7 @@ class DenseLayout:
     m = m[0]
     n_in = math.prod(self.in_dims)
     k = m[:n_in].reshape(self.in_dims + self.out_dims)
-    k = jnp.transpose(k, np.argsort(self.in_axes + self.out_axes))
+    k = jnp.transpose(k, np.argsort(self.in_axes + self.out_axes).tolist())
     return (k, m[n_in].reshape(self.out_dims)) if self.has_bias else (k,)
 
 
@@ -159,7 +159,7 @@ class ConvLayout:
   def from_mat(self, m):
     k = m[:, :self.patch_size].transpose(1, 0, 2)
     k = k.reshape(self.spatial + (self.in_per_group, self.out_features))
-    k = jnp.transpose(k, np.argsort(self._perm()))
+    k = jnp.transpose(k, np.argsort(self._perm()).tolist())
     if self.has_bias:
       return k, m[:, self.patch_size].reshape(self.out_features)
     return (k,)
@@ -191,3 +191,7 @@ class TableLayout:
 
   def from_mat(self, m):
     return (m[0],)
+
+
+# Any of the layouts above (what a Kronecker or EKFAC block's ``layout`` is).
+Layout = DenseLayout | ConvLayout | TableLayout

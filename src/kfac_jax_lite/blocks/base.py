@@ -149,6 +149,8 @@ class Block(abc.ABC):
       "multiply_inverse", "multiply_cholesky", "multiply_cholesky_inverse",
       "to_dense")
   consumes: ClassVar[str] = ACTIVATIONS
+  # Provided by each subclass (a dataclass field or a property).
+  param_shapes: tuple[tuple[int, ...], ...]
 
   @abc.abstractmethod
   def compute_stats(self, *args, weights=None):
@@ -179,6 +181,10 @@ class KroneckerBlock(Block):
   """
 
   input_diagonal = False
+  # Provided by each subclass (dataclass fields or properties).
+  layout: _layout.Layout
+  damping_mode: str
+  renorm_coeff: float
 
   @property
   def param_shapes(self):
@@ -260,6 +266,8 @@ class FlatBlock(Block):
   Subclasses provide ``param_shapes``, ``diagonal`` and ``compute_stats``
   returning the new diagonal ``[n]`` or matrix ``[n, n]``.
   """
+
+  diagonal: bool  # Provided by each subclass (a field or class attribute).
 
   @property
   def size(self):

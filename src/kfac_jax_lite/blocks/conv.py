@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -138,10 +139,12 @@ class ConvConfig:
   """
 
   kernel_shape: tuple
-  window_strides: tuple = None
+  window_strides: tuple | None = None
   padding: object = "VALID"
-  lhs_dilation: tuple = None
-  rhs_dilation: tuple = None
+  lhs_dilation: tuple | None = None
+  rhs_dilation: tuple | None = None
+  # As conv_general_dilated takes it; _setup stores the normalised
+  # lax.ConvDimensionNumbers (see dims).
   dimension_numbers: object = None
   feature_group_count: int = 1
   has_bias: bool = False
@@ -158,7 +161,7 @@ class ConvConfig:
     dn = _conv_dims(self.dimension_numbers, nsp + 2)
     set_("dimension_numbers", lax.ConvDimensionNumbers(
         *(tuple(int(i) for i in spec) for spec in dn)))
-    out = self.kernel_shape[self.dimension_numbers.rhs_spec[0]]
+    out = self.kernel_shape[self.dims.rhs_spec[0]]
     if self.feature_group_count < 1 or out % self.feature_group_count:
       raise ValueError(f"{type(self).__name__}: {out} output features do not "
                        f"split into {self.feature_group_count} groups")
@@ -168,12 +171,14 @@ class ConvConfig:
     set_("repeats", int(self.repeats))
 
   @property
-  def dims(self):
-    return self.dimension_numbers
+  def dims(self) -> lax.ConvDimensionNumbers:
+    # _setup (run by every subclass's __post_init__) replaced the field's
+    # user-facing forms by this normalised tuple.
+    return typing.cast(lax.ConvDimensionNumbers, self.dimension_numbers)
 
   @property
   def layout(self):
-    return _layout.ConvLayout(self.kernel_shape, self.dims.rhs_spec,
+    return _layout.ConvLayout(self.kernel_shape, tuple(self.dims.rhs_spec),
                               self.feature_group_count, self.has_bias)
 
 

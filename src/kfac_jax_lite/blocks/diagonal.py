@@ -25,6 +25,7 @@ class _DiagonalOfLayout(base.FlatBlock):
   """A diagonal block whose statistics come in the layout's matrix form."""
 
   diagonal = True
+  layout: _layout.Layout  # Provided by each subclass (a property).
 
   @property
   def param_shapes(self):

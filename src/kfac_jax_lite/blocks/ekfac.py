@@ -62,13 +62,15 @@ the cached basis and the current ``s``.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Generic, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import block_diag
 
+from kfac_jax_lite import _kron
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
 from kfac_jax_lite.blocks import base
@@ -78,15 +80,16 @@ from kfac_jax_lite.blocks import dense
 REBASES = ("project", "kfac")
 
 
-class EkfacState(NamedTuple):
+class EkfacState(NamedTuple, Generic[_kron.Leaf]):
   """State (and statistics) of an EKFAC block; see the module docstring.
 
   As statistics: ``a [g, a, a]``, ``g [g, b, b]``, ``scale [g, a, b]``.
   """
 
-  a: fac.FactorState  # A, "eigh" cache: λ_A, Q_A of the last refresh.
-  g: fac.FactorState  # G, "eigh" cache: λ_G, Q_G of the last refresh.
-  scale: fac.FactorState  # Diagonal [g, a, b]; cache.eigvals: s, current basis.
+  # fac.FactorState leaves in a state, arrays in statistics.
+  a: _kron.Leaf  # A, "eigh" cache: λ_A, Q_A of the last refresh.
+  g: _kron.Leaf  # G, "eigh" cache: λ_G, Q_G of the last refresh.
+  scale: _kron.Leaf  # Diagonal [g, a, b]; cache.eigvals: s, current basis.
 
 
 def has_basis(state: EkfacState):
@@ -125,6 +128,14 @@ class EigenCorrected(base.Block):
   g [S, N, R, G, b], c, w)``, and ``weight_sharing`` for ``A`` and ``G``."""
 
   damping_mode: ClassVar[str] = "exact"  # λ is added to the eigenvalues s.
+  # Provided by each subclass (dataclass fields or properties).
+  layout: _layout.Layout
+  rebase: str
+  weight_sharing: str
+
+  @abc.abstractmethod
+  def _data(self, inputs, cotangents, weights) -> tuple:
+    """``(ā [N, R, G, a], g [S, N, R, G, b], c, w)`` of the layer."""
 
   @property
   def param_shapes(self):

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Generic, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -88,13 +88,14 @@ from kfac_jax_lite.blocks import dense
 OPTIONS = ("kron_indep", "series1", "series2")
 
 
-class SeriesState(NamedTuple):
+class SeriesState(NamedTuple, Generic[_kron.Leaf]):
   """Lag-0 and lag-1 factors (each ``[1, n, n]``); see the module docstring."""
 
-  a0: fac.FactorState  # A₀; cache: ψ or μ, L or K.
-  a1: fac.FactorState  # A₁ = E[ā_t ā_{t+1}ᵀ] (not symmetric); cache: P.
-  g0: fac.FactorState
-  g1: fac.FactorState
+  # fac.FactorState leaves in a state, arrays in statistics.
+  a0: _kron.Leaf  # A₀; cache: ψ or μ, L or K.
+  a1: _kron.Leaf  # A₁ = E[ā_t ā_{t+1}ᵀ] (not symmetric); cache: P.
+  g0: _kron.Leaf
+  g1: _kron.Leaf
 
 
 def lag_stats(x, weights, num_samples=1):

@@ -108,13 +108,13 @@ def _directions(dist, outs, targets, w, mode, key, num_samples):
   roots = tuple(b.astype(o.dtype) for b, o in zip(roots, outs))
   k = roots[0].shape[-1]
   if mode.startswith("curvature_prop"):
-    def one(key_s):
+    def one_probe(key_s):
       r = jax.random.rademacher(key_s, values + (k,), roots[0].dtype)
       return tuple(
           jnp.einsum("...k,...k->...", b, r.reshape(
               values + (1,) * (b.ndim - 1 - len(values)) + (k,)))
           * root(b[..., 0]) / math.sqrt(num_samples) for b in roots)
-    return jax.vmap(one)(jax.random.split(key, num_samples))
+    return jax.vmap(one_probe)(jax.random.split(key, num_samples))
   # Exact: one column per element position and column of B.
   e = math.prod(values[1:])
   mask = jnp.eye(e, dtype=roots[0].dtype).reshape((e, 1) + values)

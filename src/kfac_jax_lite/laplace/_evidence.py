@@ -3,6 +3,7 @@ precision that maximises it."""
 from __future__ import annotations
 
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -77,4 +78,5 @@ def _adam(post, log_tau, loss, num_steps, learning_rate):
 
   (log_tau, _), _ = jax.lax.scan(step, (log_tau, opt.init(log_tau)), None,
                                  length=num_steps)
-  return jnp.exp(log_tau)
+  # optax.apply_updates is typed on pytrees; log_tau stays one array.
+  return jnp.exp(typing.cast(jax.Array, log_tau))

@@ -127,6 +127,7 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
   for b, batch in enumerate(_progress(batches, progress)):
     part = step(params, batch, jax.random.fold_in(key, b))
     total = part if total is None else _add(total, part)
+  assert total is not None  # batches starts with first.
   curvature, loss, count = total
   if int(count) == 0:
     raise ValueError("kfl.laplace.fit: no example had a positive weight in "

@@ -145,17 +145,17 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
           env[eqn.outvars[0]] = new
       elif (name in ("slice", "split") and isinstance(views[0], View)
             and all(v is None for v in views[1:])
-            and _views.slice_views(views[0], eqn) is not None):
+            and (sliced := _views.slice_views(views[0], eqn)) is not None):
         # A block of a kernel (a fused QKV kernel's ``W[:, :d]``): a dense
         # use of the slice is a column block of the whole kernel's layer.
-        for ov, view in zip(eqn.outvars, _views.slice_views(views[0], eqn)):
+        for ov, view in zip(eqn.outvars, sliced):
           env[ov] = view
-      elif _scaled.scaled_view(eqn, views, key, jaxpr) is not None:
-        env[eqn.outvars[0]] = _scaled.scaled_view(eqn, views, key, jaxpr)
-      elif _joined.join(views, eqn) is not None:  # Kernels concatenated.
-        env[eqn.outvars[0]] = _joined.join(views, eqn)
-      elif inner_jaxpr(eqn) is not None:
-        inner, _ = inner_jaxpr(eqn)
+      elif (scaled := _scaled.scaled_view(eqn, views, key, jaxpr)) is not None:
+        env[eqn.outvars[0]] = scaled
+      elif (joined := _joined.join(views, eqn)) is not None:  # Concatenated.
+        env[eqn.outvars[0]] = joined
+      elif (found := inner_jaxpr(eqn)) is not None:
+        inner, _ = found
         if len(inner.invars) != len(eqn.invars):
           for v in views:
             if v is not None:
@@ -182,7 +182,8 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
       elif tracked or _penalties.starts(eqn, views):
         self._tracked(eqn, views, ctx)
         out = env.get(eqn.outvars[0])
-        if _scaled.normalised_by_itself(eqn, views, out):  # Weight norm.
+        # Weight norm.
+        if out is not None and _scaled.normalised_by_itself(eqn, views, out):
           env[eqn.outvars[0]] = dataclasses.replace(
               out, how=_scaled.FUNCTION_OF_ITSELF)
       else:
@@ -475,7 +476,7 @@ def analyse(jaxpr, leaf_shapes):
   """``(uses, opaque, penalties)`` of ``jaxpr`` (a core.Jaxpr) whose first invars are
   the parameter leaves, of shapes ``leaf_shapes``."""
   an = Analysis()
-  in_views = [None] * len(jaxpr.invars)
+  in_views: list[View | None] = [None] * len(jaxpr.invars)
   for k, shape in enumerate(leaf_shapes):
     in_views[k] = View(k, tuple(range(len(shape))), tuple(shape))
   an.walk(jaxpr, in_views)

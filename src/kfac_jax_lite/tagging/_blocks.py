@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import typing
 
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite.tagging._kinds import KINDS
@@ -89,6 +90,9 @@ def _block(layer, override, damping_mode, weight_sharing):
     else:
       block = override
     B.check_block(block, where)
+    # A duck-typed block (not necessarily a subclass): check_block verified
+    # the Block interface.
+    block = typing.cast(B.Block, block)
     shapes = tuple(map(tuple, spec.param_shapes))
     if tuple(map(tuple, block.param_shapes)) != shapes:
       raise ValueError(f"override block {block!r} has parameter shapes "

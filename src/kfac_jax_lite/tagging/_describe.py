@@ -1,6 +1,11 @@
 """``describe``: the blocks of a model as a list of rows that prints as a table."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import chex
+
 from kfac_jax_lite import _first_step
 from kfac_jax_lite import blocks as B
 
@@ -51,7 +56,7 @@ class Table(list):
   loss_lines: tuple = ()
   #: The error the first K-FAC step on the example batch would raise (what
   #: ``kfl.kfac`` refuses at ``tx.init``), or None (set by ``describe``).
-  first_step = None
+  first_step: str | None = None
 
   @property
   def total_bytes(self):
@@ -126,9 +131,13 @@ def _sharing(layer, block):
   return f"{mode} (rows)" if layer.row_uses else mode
 
 
-def describe(loss_fn, params, batch, *, has_aux=False, exclude=(),
-             blocks=None, damping_mode="pi", weight_sharing="expand",
-             estimation=None, example_axis=None):
+def describe(loss_fn: Callable, params: chex.ArrayTree,
+             batch: chex.ArrayTree, *, has_aux: bool = False,
+             exclude: Sequence[str] = (),
+             blocks: Mapping[str, Any] | None = None,
+             damping_mode: str = "pi", weight_sharing: str = "expand",
+             estimation: str | None = None,
+             example_axis: chex.ArrayTree | None = None) -> Table:
   """The curvature blocks of ``loss_fn``'s layers, as rows.
 
   ``has_aux``/``exclude``/``example_axis`` are those of ``find_layers``

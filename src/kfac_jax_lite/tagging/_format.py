@@ -11,6 +11,9 @@ a weight-sharing axis).
 """
 from __future__ import annotations
 
+import typing
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,11 +67,12 @@ def arrange(arr, labels, korder=(), samples=False):
   return arr, [labels[i] for i in order]
 
 
-def arranged(use, x, korder=(), samples=False, out=True):
+def arranged(use, x, korder=(), samples=False, out=True) -> jax.Array:
   """``use``'s captured input (``out=False``) or probed output ``x``, with
   the axes its enclosing scans prepend, arranged by ``arrange``."""
   labels = level_labels(use) + (use.out_labels if out else use.in_labels)
-  return arrange(x, labels, korder, samples)[0]
+  # x is an array here, so arrange returns one (a shape only for a shape).
+  return typing.cast(jax.Array, arrange(x, labels, korder, samples)[0])
 
 
 def stacked_shape(use, aval):

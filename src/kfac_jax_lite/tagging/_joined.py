@@ -22,6 +22,7 @@ walk's mixin that matches it in a ``dot_general``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import numpy as np
 
@@ -94,6 +95,12 @@ def apply_layout(view, eqn):
 class JoinedMatching:
   """Mixin of ``_analysis.Analysis``: a ``Joined`` kernel's dense uses."""
 
+  # Provided by _analysis.Analysis and _matching.ViewMatching.
+  _record: Callable[..., None]
+  _bias_add: Callable[..., Any]
+  _follow: Callable[..., list]
+  _single_consumer: Callable[..., Any]
+
   def _dense_joined(self, i, eqn, k, jv, ctx):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     kc, xc = (tuple(lc), tuple(rc)) if k == 0 else (tuple(rc), tuple(lc))
@@ -134,7 +141,7 @@ class JoinedMatching:
       base = len(part.stacked)
       in_axes = tuple(sorted(jv.leaf_axis(p, a) - base for a in kc
                              if jv.leaf_axis(p, a) is not None))
-      config = dict(in_axes=in_axes, kernel_shape=tuple(
+      config: dict[str, Any] = dict(in_axes=in_axes, kernel_shape=tuple(
           part.leaf_shape[base:]), joined=(
               len(jv.parts), "output" if oj is not None else "input"))
       roles = {"kernel": part}

@@ -220,7 +220,7 @@ class Memo(dict):
   verification may evaluate (None: any), above which ``TooLarge`` asks the
   caller to verify at a smaller batch first."""
 
-  limit = None
+  limit: int | None = None
 
 
 class TooLarge(Exception):

@@ -317,7 +317,9 @@ def _rewrite(jaxpr, scope, marks):
   if nested:
     eqns = list(jaxpr.eqns)
     for j in nested:
-      inner = _analysis.inner_jaxpr(eqns[j])[0]
+      found = _analysis.inner_jaxpr(eqns[j])
+      assert found is not None  # A marked scope is a call's jaxpr.
+      inner = found[0]
       new, rec = _rewrite(inner, scope + (j, 0), marks)
       eqns[j] = _with_inner(eqns[j], new)
       records.update(rec)
@@ -352,12 +354,18 @@ def recognise(closed, num_params, memo):
   marks = {}
   for head, path in zip(heads, paths):
     v_home = graph.defined_homes(head.values)[0]
-    var = lambda i: graph.home_in(i, head.scope).var
+    def var(i, scope=head.scope):
+      home = graph.home_in(i, scope)
+      if home is None:  # Not markable (caught below).
+        raise ValueError(f"no home of node {i} in scope {scope}")
+      return home.var
     try:
       marker, ids = _marker(head, graph)
       operands = [v_home.var] + [var(i) for i in ids[1:]]
     except Exception:  # A layout the twin cannot take: not recognised.
-      unrecognised.append(f"`{graph.node_of(head.values).name}` -> "
+      node = graph.node_of(head.values)
+      assert node is not None  # A head's values are a node's output.
+      unrecognised.append(f"`{node.name}` -> "
                           f"{list(graph.shape(head.values))} (not markable)")
       continue
     marks.setdefault(head.scope, []).append(

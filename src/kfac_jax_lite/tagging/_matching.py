@@ -17,8 +17,10 @@ variables, their consumers, the claimed equations).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import jax
+import jax.core  # Explicit, so that type checkers see jax.core.ShapedArray.
 import numpy as np
 
 from kfac_jax_lite.tagging import _views
@@ -31,6 +33,10 @@ def _is_var(v):
 
 class ViewMatching:
   """The neighbourhood matchers of the graph walk (see the module doc)."""
+
+  # Provided by _analysis.Analysis, which this is a mixin of.
+  _record: Callable[..., None]
+  _record_dense: Callable[..., Any]
 
   def _single_consumer(self, var, ctx):
     cons = ctx["consumers"].get(var, [])
@@ -93,7 +99,8 @@ class ViewMatching:
                 if not (labs[k] in feature_labels and shape[k] > 1)]
       if any(o is not None for o in others) or any(b is None for _, b in feats):
         continue
-      order = [b for _, b in sorted(feats, key=lambda t: t[0])]
+      order = [b for _, b in sorted(feats, key=lambda t: t[0])
+               if b is not None]  # (None of them is.)
       if order != sorted(order) or not bview.covers(shape):
         continue
       if stack is not None:
@@ -146,7 +153,7 @@ class ViewMatching:
                             virtual=(tuple(sorted(kc)), tuple(free))))
     return None
 
-  def _broadcast_site(self, var, labels, ctx):
+  def _broadcast_site(self, var, labels: tuple[tuple, ...], ctx):
     """Follow ``var`` (axes ``labels``) through single-consumer layout ops
     to an ``add`` that broadcasts it against an activation. Returns
     ``(add key, add output aval, its labels, new axis sizes)``, the axes
@@ -230,7 +237,7 @@ class ViewMatching:
       else:
         out_labels.append(("b", b))
         b += 1
-    in_labels = [("b", j) for j in range(n_idx)] + [("iv", pos)]
+    in_labels: list[tuple] = [("b", j) for j in range(n_idx)] + [("iv", pos)]
     capture, cap_aval, probe_i, probe_aval = ("var", ind), ind.aval, i, out.aval
     site, in_labels = self._lookup_site(out, out_labels, in_labels, ind, ctx)
     if site is not None:
@@ -251,7 +258,8 @@ class ViewMatching:
                  dict(vocab_size=shape[va], dim=shape[1 - va], id_pos=pos))
     return None
 
-  def _lookup_site(self, out, out_labels, in_labels, ind, ctx):
+  def _lookup_site(self, out, out_labels, in_labels: list[tuple], ind,
+                   ctx) -> tuple[Any, list[tuple]]:
     """``(site, in_labels)``: ``_broadcast_site`` of a lookup's output
     ``out``; for ids with unit axes (``pos[jnp.arange(T)[None]]``) not
     found as they are, with those axes taken as broadcast ones (the lookup

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 from kfac_jax_lite.tagging._views import (IDENTITY_PRIMS, LAYOUT_PRIMS,
                                           Regrouped, View)
@@ -85,7 +86,7 @@ class Penalty:
 
   def describe(self, name):
     """A one-line note for ``describe``."""
-    if self.curvature is not None:
+    if self.coef is not None and self.scale is not None:  # A curvature.
       c = self.coef * self.scale
       return (f"penalty {c:.3g}·‖{name}‖² (curvature {self.curvature:.3g}·I,"
               " left out: the damping stands in)")
@@ -258,6 +259,10 @@ def exit_terms(eqn, values, penalty_id):
 class PenaltyWalk:
   """The graph walk's (``_analysis.Analysis``) handling of penalty values:
   it keeps ``self.penalties`` and reports through ``self._opaque``."""
+
+  # Provided by _analysis.Analysis, which this is a mixin of.
+  penalties: list[Penalty]
+  _opaque: Callable[..., None]
 
   def _untracked(self, value, name, where):
     """``value`` if a ``View``; a penalty value entering ``name`` (a scan,

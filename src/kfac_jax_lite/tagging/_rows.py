@@ -23,6 +23,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from typing import Any
+
 import jax.numpy as jnp
 
 from kfac_jax_lite.tagging import _views
@@ -112,7 +114,8 @@ def find(jaxpr, key, n):
     for p, v in enumerate(eqn.invars):
       if not hasattr(v, "val"):
         consumers[v].append((i, p))
-  queue = collections.deque([(start, ())])
+  queue: collections.deque[tuple[Any, tuple]] = collections.deque(
+      [(start, ())])
   seen = {start}
   while queue:
     var, chain = queue.popleft()

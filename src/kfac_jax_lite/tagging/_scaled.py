@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TypeGuard
 
 from kfac_jax_lite.tagging._views import IDENTITY_PRIMS, View
 
@@ -106,7 +107,7 @@ def scaled_by_scalar(eqn, views):
   return not hasattr(other, "val") and all(n == 1 for n in other.aval.shape)
 
 
-def plain(view):
+def plain(view) -> TypeGuard[View]:
   """A ``View`` that is not scaled (a bias or shift must be one)."""
   return isinstance(view, View) and not getattr(view, "scales", ())
 

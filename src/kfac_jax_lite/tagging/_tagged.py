@@ -288,10 +288,11 @@ class TaggedLoss:
     data): say so in the hint and warn (``UserWarning``), as the
     statistics will be those of time steps as examples."""
     ex = self.examples
-    axes = [None] * len(jax.tree.leaves(batch))
+    axes: list[int | None] = [None] * len(jax.tree.leaves(batch))
     for i in ex.leaves:
       axes[i] = 0
     try:
+      assert ex.size is not None  # A guessed axis has a size.
       other = self._trace(params, _examples.moved(batch, axes, ex.size + 1))
     except Exception:  # noqa: BLE001 (a loss tied to its batch size)
       return
@@ -318,6 +319,7 @@ class TaggedLoss:
     traces to other layers), the first activation axis of the examples'
     size is taken as theirs."""
     n = self.examples.size
+    assert n is not None  # example_axis= gives a size (_examples.given).
     try:
       other = self._trace(params, _examples.moved(batch, axes, n + 1))
       if [_signature(u) for u in other.uses] != [_signature(u)

@@ -133,7 +133,7 @@ def _unit_map(in_shape, out_shape):
   dst = [j for j, n in enumerate(out_shape) if n != 1]
   if [in_shape[i] for i in src] != [out_shape[j] for j in dst]:
     return None
-  mapping = [None] * len(out_shape)
+  mapping: list[int | None] = [None] * len(out_shape)
   for i, j in zip(src, dst):
     mapping[j] = i
   return mapping
@@ -154,7 +154,7 @@ def layout_map(eqn):
       return None
     return _unit_map(in_shape, out_shape)
   if name == "broadcast_in_dim":
-    mapping = [None] * len(out_shape)
+    mapping: list[int | None] = [None] * len(out_shape)
     for i, j in enumerate(eqn.params["broadcast_dimensions"]):
       mapping[j] = i if in_shape[i] == out_shape[j] else None
     return mapping
@@ -235,7 +235,7 @@ def regroup(view, eqn):
   pairs = _reshape_groups(in_shape, out_shape)
   if pairs is None:
     return None
-  groups = [None] * len(out_shape)
+  groups: list[int | None] = [None] * len(out_shape)
   for g, (_, outs) in enumerate(pairs):
     for j in outs:
       groups[j] = g

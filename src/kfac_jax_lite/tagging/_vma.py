@@ -18,6 +18,7 @@ these functions change nothing. The aval field is ``vma`` in jax 0.9.x and
 from __future__ import annotations
 
 import jax
+import jax.core  # Explicit, so that type checkers see jax.core.Tracer.
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

@@ -107,7 +107,7 @@ class LayerSpec(abc.ABC):
     return dataclasses.replace(default, **options)
 
   @abc.abstractmethod
-  def data(self, uses, captures, cotangents, stacked):
+  def data(self, uses, captures, cotangents, stacked) -> tuple:
     """``(inputs, cotangents)`` of the layer in its blocks' layout.
 
     ``uses``: the layer's uses in ``Layer.use_ids`` order; ``captures`` and
@@ -123,11 +123,11 @@ class LayerSpec(abc.ABC):
     return weights
 
   @abc.abstractmethod
-  def per_example_grads(self, inputs, cotangents):
+  def per_example_grads(self, inputs, cotangents) -> tuple:
     """Per parameter ``[S, N, *shape]``: gradients of ``<g_sn, y_n>``,
     from ``data``'s ``(inputs, cotangents)`` of one (unstacked) layer."""
 
-  def gradients(self, uses, captures, cotangents, stacked):
+  def gradients(self, uses, captures, cotangents, stacked) -> tuple:
     """Per parameter ``[L?, S, N, *shape]``: the per-example gradients of
     the layer (arguments as ``data``); ``per_example_grads`` of its data
     unless a kind knows better."""
