@@ -112,6 +112,7 @@ import optax
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
+from kfac_jax_lite import _dtypes
 from kfac_jax_lite import transform
 
 BASES = ("kfac", "shampoo")
@@ -350,7 +351,7 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
     leaves = jax.tree.leaves(params)
     layers = rotated(tagged)
     covered = {i for l in layers for i in l.leaves}
-    states = {l.name: l.block.init(transform.float_dtype(
+    states = {l.name: l.block.init(_dtypes.float_dtype(
         [leaves[i] for i in l.leaves])) for l in layers}
     def moment(l):
       lay = inner_block(l.block).layout
@@ -416,7 +417,7 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
       if axis_name is not None:
         stats_key = jax.random.fold_in(stats_key,
                                        jax.lax.axis_index(axis_name))
-      dtype = transform.float_dtype(params)
+      dtype = _dtypes.float_dtype(params)
       all_states = {l.name: (blocks[l.name] if l.name in blocks
                              else l.block.init(dtype)) for l in tagged.layers}
       stats_now, _ = transform.statistics(

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import optax
 
 from kfac_jax_lite import estimators
+from kfac_jax_lite import _dtypes
 from kfac_jax_lite import transform
 
 
@@ -77,7 +78,7 @@ class KfacOptimizerState(NamedTuple):
 
 
 def _tree_dot(a, b):
-  dtype = transform.float_dtype((a, b))
+  dtype = _dtypes.float_dtype((a, b))
   return sum(jnp.vdot(x.astype(dtype), y.astype(dtype))
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
@@ -97,7 +98,7 @@ def _curvature_forms(tagged, params, batch, directions, curvature):
     dist = t.distribution
     roots = (dist.ggn_sqrt(outs[j], targets[j]) if curvature == "ggn"
              else dist.fisher_sqrt(outs[j]))
-    c_e = jnp.maximum(c[j].astype(transform.float_dtype(c[j])), 0)
+    c_e = jnp.maximum(c[j].astype(_dtypes.float_dtype(c[j])), 0)
     proj = 0.0
     for b, v in zip(roots, jv[j]):  # b [*values, *event, K], v [2, *values, *event]
       event = b.ndim - 1 - c_e.ndim
@@ -227,7 +228,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
   def init_fn(params):
     tagged_for(params)  # Refuse a loss_fn without a loss here, not at a step.
     zeros = jax.tree.map(jnp.zeros_like, params)
-    scalar = lambda x: jnp.asarray(x, transform.float_dtype(params))
+    scalar = lambda x: jnp.asarray(x, _dtypes.float_dtype(params))
     return KfacOptimizerState(inner.init(params), scalar(initial_damping),
                               zeros, scalar(0.0), scalar(0.0), scalar(0.0))
 
@@ -237,7 +238,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     if params is None or batch is None:
       raise ValueError("kfac_optimizer.update needs params and batch=")
     tagged = tagged_for(params)
-    dtype = transform.float_dtype(params)
+    dtype = _dtypes.float_dtype(params)
     lam = state.damping.astype(dtype)
     precond, kstate = inner.update(grads, state.kfac, params, batch=batch,
                                    stats=stats, damping=lam + l2_reg,

@@ -76,6 +76,7 @@ from kfac_jax_lite import _health_state
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite import tagging
+from kfac_jax_lite._dtypes import float_dtype
 from kfac_jax_lite._safeguards import clip, guard, inner_product  # noqa: F401
 
 
@@ -96,15 +97,6 @@ class KfacState(NamedTuple):
   # cov_every == 0``), else 0 (an int, not a bool, so that arithmetic over
   # the state's leaves works); ``kfl.stats_due`` reads it.
   stats_due: Any
-
-
-def float_dtype(tree):
-  """The dtype the curvature is kept in: the floating leaves' widest, at
-  least float32 (bf16/fp16 parameters keep float32 factors; float64 ones,
-  under ``jax_enable_x64``, float64 ones)."""
-  return jnp.result_type(jnp.float32, *[
-      x.dtype for x in jax.tree.leaves(tree)
-      if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)])
 
 
 def _per_slice(layer, fn):

@@ -79,6 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_jax_lite import _dtypes
 from kfac_jax_lite import _kron
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
@@ -313,7 +314,7 @@ class SeriesDense(base.Block):
       state = self.refresh(state, damping)
     dtypes = [jnp.asarray(x).dtype for x in v]
     m = self.layout.to_mat(tuple(v))
-    dtype = jnp.result_type(m.dtype, jnp.float32)
+    dtype = _dtypes.float_dtype(m)
     c = jax.tree.map(lambda x: x.astype(dtype),
                      (state.a0.cache, state.a1.cache, state.g0.cache,
                       state.g1.cache))
