@@ -78,9 +78,11 @@ class KfacOptimizerState(NamedTuple):
 
 
 def _tree_dot(a, b):
+  """``⟨a, b⟩`` over all leaves (``optax.tree_utils.tree_vdot``), in the
+  wider of their dtypes (at least float32)."""
   dtype = _dtypes.float_dtype((a, b))
-  return sum(jnp.vdot(x.astype(dtype), y.astype(dtype))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  cast = lambda t: jax.tree.map(lambda x: x.astype(dtype), t)
+  return optax.tree_utils.tree_vdot(cast(a), cast(b))
 
 
 def _curvature_forms(tagged, params, batch, directions, curvature):
