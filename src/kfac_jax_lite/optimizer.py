@@ -111,6 +111,82 @@ def _curvature_forms(tagged, params, batch, directions, curvature):
   return total, loss
 
 
+def quadratic_model_step(q, b, *, use_momentum=True, max_momentum=0.99):
+  """The ``[α, μ]`` minimising the quadratic model ``½ cᵀ Q c + cᵀ b``.
+
+  ``Q [2, 2]`` and ``b [2]`` are the model along ``(Δ, δ)`` (the K-FAC
+  direction and the previous update; module docstring, step 1). The model
+  is convex, so its minimum over ``μ ∈ [0, max_momentum]`` is at the
+  unconstrained ``μ = -(Q⁻¹ b)₁`` clipped to that interval, with ``α``
+  re-minimised for it: ``α = -(b₀ + μ Q₀₁) / Q₀₀``. Without momentum (or
+  for a singular ``Q``: ``det Q ≤ 1e-12 Q₀₀ Q₁₁``, e.g. ``δ = 0`` on the
+  first step) ``μ = 0`` and ``α = -b₀ / Q₀₀``.
+
+  Args:
+    q: ``Q``, the (damped) curvature of the model, ``[2, 2]``.
+    b: ``b = [gᵀΔ, gᵀδ]``, ``[2]``.
+    use_momentum: whether ``μ`` is solved for (a bool, possibly traced);
+      else ``μ = 0``.
+    max_momentum: the upper end of ``μ``'s interval.
+
+  Returns:
+    ``[α, μ]`` in ``q``'s dtype; ``[0, 0]`` when ``Q₀₀ ≤ 0`` or the result
+    is not finite (the step is skipped).
+  """
+  dtype = q.dtype
+  det = q[0, 0] * q[1, 1] - q[0, 1] * q[1, 0]
+  solved = -jnp.linalg.solve(q + 1e-30 * jnp.eye(2, dtype=dtype), b)
+  use_both = use_momentum & (det > 1e-12 * q[0, 0] * q[1, 1])
+  mu = jnp.where(use_both & jnp.isfinite(solved[1]),
+                 jnp.clip(solved[1], 0.0, max_momentum), 0.0)
+  alpha = -(b[0] + mu * q[0, 1]) / jnp.where(q[0, 0] > 0, q[0, 0], 1.0)
+  coeffs = jnp.stack([alpha, mu]).astype(dtype)
+  ok = jnp.all(jnp.isfinite(coeffs)) & (q[0, 0] > 0)
+  return jnp.where(ok, coeffs, jnp.zeros(2, dtype))
+
+
+def reduction_ratio(new_loss, loss, model_change):
+  """``ρ = (L(θ + step) − L(θ)) / (M(step) − M(0))``, the actual over the
+  predicted reduction (M&G §6.5).
+
+  Args:
+    new_loss: ``L(θ + step)``.
+    loss: ``L(θ)``.
+    model_change: ``M(step) − M(0)`` of the undamped quadratic model.
+
+  Returns:
+    ``ρ``; ``-inf`` when it is not finite (a non-finite new loss), so that
+    ``levenberg_marquardt`` raises the damping. A ``model_change ≥ 0`` (no
+    predicted reduction, e.g. a skipped step) gives ``ρ = (L − L_new)``,
+    which the caller does not act on.
+  """
+  predicted = model_change < 0
+  rho = (new_loss - loss) / jnp.where(predicted, model_change, -1.0)
+  return jnp.where(jnp.isfinite(rho), rho, -jnp.inf)
+
+
+def levenberg_marquardt(damping, rho, omega, min_damping, max_damping):
+  """The Levenberg–Marquardt rule of M&G §6.5 for the damping ``λ``.
+
+  ``λ ← ωλ`` when ``ρ > ¾`` (the model predicted the loss well: trust it
+  more), ``λ ← λ/ω`` when ``ρ < ¼`` (including ``ρ = -inf``), ``λ``
+  unchanged in between; then clipped to ``[min_damping, max_damping]``.
+
+  Args:
+    damping: ``λ``.
+    rho: the reduction ratio ``ρ`` (``reduction_ratio``).
+    omega: ``ω = damping_decay^{T₁}`` in ``(0, 1)``.
+    min_damping: the floor of ``λ``.
+    max_damping: the ceiling of ``λ``.
+
+  Returns:
+    The new ``λ``.
+  """
+  new = jnp.where(rho > 0.75, damping * omega,
+                  jnp.where(rho < 0.25, damping / omega, damping))
+  return jnp.clip(new, min_damping, max_damping)
+
+
 def _require(ok, message):
   if not ok:
     raise ValueError(f"kfac_optimizer: {message}")
@@ -257,18 +333,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     b = jnp.array([_tree_dot(grads, delta), _tree_dot(grads, vel)], dtype)
     q_undamped = forms + l2_reg * gram
     q = q_undamped + lam * gram
-    # Minimise ½[α μ]Q[α μ]ᵀ + [α μ]·b with μ in [0, max_momentum]: the
-    # optimum is at the unconstrained μ clipped (the model is convex), with
-    # α = -(b₀ + μ Q₀₁)/Q₀₀ minimising it for that μ.
-    det = q[0, 0] * q[1, 1] - q[0, 1] * q[1, 0]
-    solved = -jnp.linalg.solve(q + 1e-30 * jnp.eye(2, dtype=dtype), b)
-    use_both = (~first) & use_momentum & (det > 1e-12 * q[0, 0] * q[1, 1])
-    mu = jnp.where(use_both & jnp.isfinite(solved[1]),
-                   jnp.clip(solved[1], 0.0, max_momentum), 0.0)
-    alpha = -(b[0] + mu * q[0, 1]) / jnp.where(q[0, 0] > 0, q[0, 0], 1.0)
-    coeffs = jnp.stack([alpha, mu])
-    ok = jnp.all(jnp.isfinite(coeffs)) & (q[0, 0] > 0)
-    coeffs = jnp.where(ok, coeffs, jnp.zeros(2, dtype))
+    coeffs = quadratic_model_step(q, b, use_momentum=(~first) & use_momentum,
+                                  max_momentum=max_momentum)
     alpha, mu = coeffs[0], coeffs[1]
     step = jax.tree.map(
         lambda d, v: (alpha * d + mu * v.astype(d.dtype)).astype(d.dtype),
@@ -282,15 +348,12 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
       # reduction for (a skipped one) leaves λ alone; a non-finite or
       # negative ρ raises it (M&G §6.5), and a non-finite new loss also
       # rejects the step.
-      predicted = model_change < 0
-      rho = (new_loss - loss) / jnp.where(predicted, model_change, -1.0)
-      rho = jnp.where(jnp.isfinite(rho), rho, -jnp.inf).astype(dtype)
-      new_lam = jnp.where(rho > 0.75, lam * omega,
-                          jnp.where(rho < 0.25, lam / omega, lam))
-      new_lam = jnp.where(predicted | ~jnp.isfinite(new_loss), new_lam, lam)
+      rho = reduction_ratio(new_loss, loss, model_change).astype(dtype)
+      new_lam = levenberg_marquardt(lam, rho, omega, min_damping, max_damping)
+      moved = (model_change < 0) | ~jnp.isfinite(new_loss)
       step = jax.tree.map(lambda s: jnp.where(jnp.isfinite(new_loss), s,
                                               jnp.zeros_like(s)), step)
-      return jnp.clip(new_lam, min_damping, max_damping), rho, step
+      return jnp.where(moved, new_lam, lam), rho, step
 
     new_lam, rho, step = jax.lax.cond(
         kstate.count % interval == 0, adapt,
