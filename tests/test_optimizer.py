@@ -259,7 +259,7 @@ def test_needs_a_registered_loss_and_rejects_fixed_damping():
 def test_one_trace_serves_the_preconditioner_and_the_quadratic_model(
     monkeypatch):
   # The quadratic model reads its registered losses from the preconditioner's
-  # own detection (kfac's ``update.layers``): loss_fn is traced for the layers
+  # own detection (``transform.kfac_with_layers``): loss_fn is traced for the layers
   # once, not once more with a cache of the optimizer's own.
   calls = []
   find_layers = kfl.tagging.find_layers

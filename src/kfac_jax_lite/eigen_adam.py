@@ -334,12 +334,11 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
                      f"{refresh_every!r}")
   # kfl.kfac's tagging and block choice; "exact" damping gives Kronecker
   # blocks "eigh" caches, where the bases are kept. Its update is not used.
-  kfac_tx = transform.kfac(
+  tagged_for = transform.kfac_with_layers(
       loss_fn, example_batch, estimation=estimation, num_samples=num_samples,
       damping_mode="exact", stats_fraction=stats_fraction, blocks=blocks,
       exclude=exclude, weight_sharing=weight_sharing, has_aux=has_aux,
-      example_axis=example_axis)
-  tagged_for = kfac_tx.update.layers
+      example_axis=example_axis).layers
 
   def rotated(tagged):
     return [l for l in tagged.layers if is_rotated(l)]
@@ -496,5 +495,4 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
         nu_basis=nu_b, mu=tuple(mu), nu=tuple(nu))
     return jax.tree.unflatten(treedef, out), new_state
 
-  update_fn.layers = tagged_for
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

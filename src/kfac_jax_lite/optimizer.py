@@ -273,8 +273,9 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
   # (α, μ), so rescaling the direction would only rescale the reported α
   # (TF K-FAC and kfac-jax refuse norm_constraint with that step).
   kfac_options = {"norm_constraint": None, **kfac_options}
-  inner = transform.kfac(loss_fn, example_batch, has_aux=has_aux,
-                         damping=initial_damping, **kfac_options)
+  inner, kfac_layers = transform.kfac_with_layers(
+      loss_fn, example_batch, has_aux=has_aux, damping=initial_damping,
+      **kfac_options)
   omega = damping_decay ** interval
   axis_name = kfac_options.get("axis_name")
   # Under ``axis_name`` each device holds a shard of the batch: the quadratic
@@ -284,7 +285,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
 
   def tagged_for(params):
     # The preconditioner's own detection: one trace of loss_fn serves both.
-    tagged = inner.update.layers(params)
+    tagged = kfac_layers(params)
     if not tagged.losses:
       seen = ("; its terms: " + "; ".join(tagged.unrecognised)
               if tagged.unrecognised else "")

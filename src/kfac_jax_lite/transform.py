@@ -63,6 +63,7 @@ clipping scale in the same pass as its selects.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -412,10 +413,61 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     ``stats_fraction``) or ``stats=`` (an ``Estimate.stats``); ``damping``
     overrides the configured one for that call (see ``damping``);
     ``loss`` (``Estimate.loss``; else ``batch=``'s statistics pass's) is
-    kept for ``kfl.health`` (``_health_state``). ``tx.update.layers(
-    params)``: the ``tagging.TaggedLoss`` it uses (one trace per params
-    signature, with the blocks), shared by ``kfl.kfac_optimizer``.
+    kept for ``kfl.health`` (``_health_state``). The layers and blocks it
+    uses: ``kfl.describe(loss_fn, params, batch, ...)`` with the same
+    options prints them, ``kfac_with_layers`` returns them with the
+    transform.
   """
+  options = dict(locals())  # First statement: exactly the arguments.
+  del options["loss_fn"], options["example_batch"]
+  return _kfac(loss_fn, example_batch, **options).transform
+
+
+class KfacWithLayers(NamedTuple):
+  """``kfac_with_layers``' result: the transform and its detection."""
+
+  transform: optax.GradientTransformationExtraArgs
+  # layers(params, batch=None) -> tagging.TaggedLoss, with the blocks.
+  layers: Callable
+
+
+def kfac_with_layers(loss_fn: Callable, example_batch,
+                     **options) -> KfacWithLayers:
+  """``kfac(loss_fn, example_batch, **options)`` and the detection it uses.
+
+  For code built on ``kfac`` that needs its layers (``kfl.kfac_optimizer``'s
+  quadratic model reads the registered losses; ``kfl.eigen_adam`` its
+  blocks): the transform and ``layers`` share one trace of ``loss_fn`` per
+  params and batch signature. (A returned transform wrapped in
+  ``optax.chain`` or elsewhere keeps working; ``layers`` is a plain
+  function, not an attribute of it.)
+
+  Args:
+    loss_fn: as for ``kfac``.
+    example_batch: as for ``kfac``.
+    **options: ``kfac``'s keyword arguments (its defaults otherwise).
+
+  Returns:
+    ``KfacWithLayers(transform, layers)``: ``transform`` is
+    ``kfac(loss_fn, example_batch, **options)``; ``layers(params,
+    batch=None)`` the ``tagging.TaggedLoss`` (with its blocks) it uses for
+    ``params`` and ``batch`` (None: the example batch).
+  """
+  defaults = {name: p.default
+              for name, p in inspect.signature(kfac).parameters.items()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY}
+  unknown = sorted(set(options) - set(defaults))
+  if unknown:
+    raise TypeError(f"kfac() got unexpected keyword arguments {unknown}")
+  return _kfac(loss_fn, example_batch, **{**defaults, **options})
+
+
+def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
+          cov_decay, cov_every, inverse_every, damping_mode, stats_fraction,
+          precon_power, norm_constraint, blocks, exclude, weight_sharing,
+          axis_name, has_aux, seed, inverse_method, example_axis
+          ) -> KfacWithLayers:
+  """``kfac_with_layers`` with every option given (``kfac``'s body)."""
   estimators.check_estimation(estimation, num_samples)
   fac.check_inverse_method(inverse_method)
   estimators.check_stats_fraction(stats_fraction)
@@ -528,5 +580,5 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
                                 damping_ok, scale < 1, seen, dtype))
     return jax.tree.unflatten(treedef, out), new_state
 
-  update_fn.layers = tagged_for
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return KfacWithLayers(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn), tagged_for)
