@@ -395,7 +395,8 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
       # This batch's own trace (another batch size), checked to give the
       # example batch's layers, as kfl.kfac does.
       tagged = tagged_for(params, batch)
-      estimators.stats_batch_size(batch, stats_fraction, "eigen_adam.update")
+      estimators.stats_batch_size(batch, stats_fraction, "eigen_adam.update",
+                                  tagged.examples)
 
     def fold(blocks):
       """This step's statistics into the factors."""

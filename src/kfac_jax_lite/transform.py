@@ -210,7 +210,8 @@ def statistics(tagged, params, batch, key, states, *, estimation,
   ``stats_fraction`` of ``batch`` (``estimators.estimate``) and the loss
   there, averaged over ``axis_name`` when given."""
   est = estimators.estimate(
-      tagged, params, estimators.stats_slice(batch, stats_fraction), key,
+      tagged, params, estimators.stats_slice(
+          batch, stats_fraction, examples=tagged.examples), key,
       estimation=estimation, num_samples=num_samples, states=states)
   out = (est.stats, est.loss)
   return jax.lax.pmean(out, axis_name) if axis_name else out
@@ -508,7 +509,8 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
     estimators.check_has_loss(tagged_for(params), estimation, "kfl.kfac")
     refused = _first_step.refusal(
         tagged_for(params), params, estimators.stats_slice(
-            example_batch, stats_fraction), estimation, num_samples)
+            example_batch, stats_fraction,
+            examples=tagged_for(params).examples), estimation, num_samples)
     if refused:
       raise ValueError("kfl.kfac: the first step would fail on the example "
                        f"batch (see kfl.describe): {refused}")
@@ -538,7 +540,8 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
                          f"from the example batch's {tagged.batch_treedef}")
       tagged = tagged_for(params, batch)
       if stats is None:
-        estimators.stats_batch_size(batch, stats_fraction, "kfac.update")
+        estimators.stats_batch_size(batch, stats_fraction, "kfac.update",
+                                    tagged.examples)
     _check_axis_name(axis_name, params, stats if stats is not None else batch)
     layers = tagged.layers
     key, stats_key = jax.random.split(state.key)
