@@ -393,17 +393,11 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     seed: the seed of the PRNG key (in the state) of the sampled estimators
       under ``batch=``.
     inverse_method: how a refresh computes the π-damped inverses
-      ``(C + d·I)⁻¹`` (``precon_power=-1``): ``"gauss_jordan"`` (blocked
-      Gauss–Jordan elimination, XLA matrix products only, ``2n³`` flops),
-      ``"cholesky"`` (LAPACK/cuSOLVER ``L Lᵀ``, then ``L⁻ᵀL⁻¹``),
-      ``"newton_schulz"`` (``X ← X + X(I − (C + d·I)X)`` from the previous
-      inverse, Gauss–Jordan when that does not converge), ``"schur"``
-      (one Schur-complement split of matrices above 512 into two
-      Gauss–Jordan halves and large products: faster than
-      ``"gauss_jordan"`` on CPU at those sizes, and a larger program),
-      ``"eigh"``;
-      ``"auto"``: ``"gauss_jordan"`` on CPU, ``"cholesky"`` elsewhere. All
-      are exact to rounding (``kfl.factor``). Other powers and
+      ``(C + d·I)⁻¹`` (``precon_power=-1``): ``"auto"`` (``"gauss_jordan"``
+      on CPU, ``"cholesky"`` elsewhere: ``kfl.factor.AUTO_METHODS``) or a
+      name of ``kfl.factor.INVERSES``, where the methods
+      (``"gauss_jordan"``, ``"schur"``, ``"cholesky"``,
+      ``"newton_schulz"``, ``"eigh"``) are described. Other powers and
       ``damping_mode="exact"`` use eigendecompositions.
 
   Returns:
