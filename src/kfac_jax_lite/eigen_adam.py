@@ -204,9 +204,9 @@ def power_step(c, q_old):
   return jnp.einsum("...ij,...ik,...kj->...j", q, c, q), q
 
 
-def refresh_factor(f, step, method):
+def refresh_factor(f, step, refresh):
   """``f`` with a new basis in its cache: ``eigh`` of its value, or
-  (``method="power"`` and a basis already there) one ``power_step`` from
+  (``refresh="power"``, ``eigen_adam``'s, and a basis already there) one ``power_step`` from
   the cached basis; a result that is not finite keeps the old cache and
   counts in ``cache.num_failed``. A diagonal factor (identity basis) only
   records the step."""
@@ -214,7 +214,7 @@ def refresh_factor(f, step, method):
     return f._replace(cache=f.cache._replace(
         step=jnp.asarray(step, jnp.int32)))
   c = fac.factor_value(f)
-  if method == "power":
+  if refresh == "power":
     w, q = jax.lax.cond(f.cache.step >= 0,
                         lambda c, q: power_step(c, q),
                         lambda c, q: fac.eigh(c), c, f.cache.eigvecs)
@@ -325,6 +325,14 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
     keyword arguments, such as ``loss=``, are accepted and not used)
     (``basis="kfac"`` needs ``batch=`` or ``stats=``, an
     ``Estimate.stats`` of ``kfl.value_grad_and_stats``).
+
+  References:
+    George, T., Laurent, C., Bouthillier, X., Ballas, N. and Vincent, P.
+      (2018). Fast approximate natural gradient descent in a Kronecker-factored
+      eigenbasis. NeurIPS. arXiv:1806.03884.
+    Vyas, N., Morwani, D., Zhao, R., Kwun, M., Shapira, I., Brandfonbrener,
+      D., Janson, L. and Kakade, S. (2024). SOAP: Improving and stabilizing
+      Shampoo using Adam. arXiv:2409.11321.
   """
   _check("basis", basis, BASES)
   _check("refresh", refresh, REFRESHES)

@@ -78,6 +78,18 @@ fallbacks):
 Every quantity keeps the parameters' precision: ``c``, the square roots
 and the cotangents are at least float32 and stay float64 under
 ``jax_enable_x64``.
+
+References:
+  Martens, J. and Grosse, R. (2015). Optimizing neural networks with
+    Kronecker-factored approximate curvature. ICML. arXiv:1503.05671.
+  Martens, J., Sutskever, I. and Swersky, K. (2012). Estimating the
+    Hessian by back-propagating curvature. ICML. arXiv:1206.6464.
+  Kunstner, F., Balles, L. and Hennig, P. (2019). Limitations of the
+    empirical Fisher approximation for natural gradient descent. NeurIPS.
+    arXiv:1905.12558.
+  Eschenhagen, R., Immer, A., Turner, R. E., Schneider, F. and Hennig, P.
+    (2023). Kronecker-factored approximate curvature for modern neural
+    network architectures. NeurIPS. arXiv:2311.00636.
 """
 from __future__ import annotations
 

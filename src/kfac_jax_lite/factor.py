@@ -202,9 +202,10 @@ def eigh(c: Array):
   return jnp.maximum(w, 0), q
 
 
-def _power_from_eigh(w, q, damping, exp) -> Array:
+def _power_from_eigh(w, q, damping, precon_power) -> Array:
   d = _damping_array(damping, w.dtype)
-  return (q * (w + d)[..., None, :] ** exp) @ jnp.swapaxes(q, -1, -2)
+  return ((q * (w + d)[..., None, :] ** precon_power)
+          @ jnp.swapaxes(q, -1, -2))
 
 
 def _damped(c: Array, damping) -> Array:

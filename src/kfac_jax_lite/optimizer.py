@@ -66,15 +66,28 @@ from kfac_jax_lite import transform
 
 
 class KfacOptimizerState(NamedTuple):
-  """The state of ``kfac_optimizer``: the inner ``KfacState`` and the adapted
-  damping, step and momentum."""
+  """The state of ``kfl.kfac_optimizer``: the inner ``KfacState`` and the
+  adapted damping, step and momentum (a pytree of arrays).
+
+  Attributes:
+    kfac: the ``KfacState`` of the preconditioner (its statistics, caches
+      and safeguard counters; ``kfl.health`` reads it).
+    damping: ``λ``, adapted by the Levenberg–Marquardt rule
+      (``levenberg_marquardt``); the preconditioner's is ``λ + l2_reg``.
+    velocity: the previous update ``δ`` (a pytree like the parameters),
+      the momentum direction.
+    learning_rate: ``α`` of the last step (``quadratic_model_step``).
+    momentum: ``μ`` of the last step.
+    rho: the last reduction ratio ``ρ`` (``reduction_ratio``), from the
+      last step that adapted the damping.
+  """
 
   kfac: transform.KfacState
-  damping: Any  # λ, adapted by Levenberg–Marquardt.
-  velocity: Any  # The previous update δ.
-  learning_rate: Any  # α of the last step.
-  momentum: Any  # μ of the last step.
-  rho: Any  # The last reduction ratio ρ.
+  damping: Any
+  velocity: Any
+  learning_rate: Any
+  momentum: Any
+  rho: Any
 
 
 def _tree_dot(a, b):
@@ -251,6 +264,10 @@ def kfac_optimizer(loss_fn: Callable, example_batch, *, initial_damping=0.1,
     ``αΔ + μδ`` (``stats=``: the statistics of ``kfl.value_grad_and_stats``,
     used by the preconditioner instead of its own pass, with ``loss=`` the
     batch's loss for ``kfl.health``, as ``kfl.kfac``'s; module docstring).
+
+  References:
+    Martens, J. and Grosse, R. (2015). Optimizing neural networks with
+      Kronecker-factored approximate curvature. ICML. arXiv:1503.05671.
   """
   if curvature not in ("ggn", "fisher"):
     raise ValueError(f"curvature must be 'ggn' or 'fisher', got {curvature!r}")

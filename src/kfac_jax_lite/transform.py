@@ -82,21 +82,38 @@ from kfac_jax_lite._safeguards import clip, guard, inner_product  # noqa: F401
 
 
 class KfacState(NamedTuple):
-  """The state of ``kfac``: step count, block states and safeguard counters."""
+  """The state of ``kfl.kfac``: step count, block states and safeguard
+  counters (a pytree of arrays; checkpoint it like any other).
 
-  count: Any  # int32: updates so far.
-  key: Any  # PRNG key for the sampled estimators.
-  blocks: dict  # layer name -> block state (leading stack axis if stacked).
-  num_bad_grads: Any  # int32: updates skipped for non-finite gradients.
-  num_bad_updates: Any  # int32: preconditioned updates replaced by the gradient.
-  num_bad_damping: Any  # int32: updates skipped for a damping that is not > 0.
-  num_nonfinite_params: Any  # int32: updates called with non-finite params.
-  # Issue 24: what ``kfl.health`` needs to tell a run that blows up its
-  # parameters or stalls from one that trains (``_health_state``).
+  Attributes:
+    count: int32, the number of ``update`` calls so far.
+    key: the PRNG key the sampled estimators draw from under ``batch=``
+      (split at every update; from ``seed``).
+    blocks: ``{layer name: block state}`` (``kfl.blocks``; a leading stack
+      axis for a layer stacked along ``lax.scan``): the factors' EMAs and
+      their cached decompositions.
+    num_bad_grads: int32, updates skipped (a zero update) for non-finite
+      gradients.
+    num_bad_updates: int32, preconditioned updates that were not finite and
+      were replaced by the gradient.
+    num_bad_damping: int32, updates skipped for a damping that is not
+      positive and finite.
+    num_nonfinite_params: int32, updates called with non-finite parameters.
+    health: the running summaries ``kfl.health`` reads to tell a run that
+      diverges or stalls from one that trains (``_health_state``).
+    stats_due: int32, 1 when the next update accumulates statistics
+      (``count % cov_every == 0``), else 0 (an int, not a bool, so that
+      arithmetic over the state's leaves works); ``kfl.stats_due`` reads it.
+  """
+
+  count: Any
+  key: Any
+  blocks: dict
+  num_bad_grads: Any
+  num_bad_updates: Any
+  num_bad_damping: Any
+  num_nonfinite_params: Any
   health: Any  # _health_state.HealthState
-  # int32, 1 when the next update accumulates statistics (``count %
-  # cov_every == 0``), else 0 (an int, not a bool, so that arithmetic over
-  # the state's leaves works); ``kfl.stats_due`` reads it.
   stats_due: Any
 
 
@@ -412,6 +429,17 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
     uses: ``kfl.describe(loss_fn, params, batch, ...)`` with the same
     options prints them, ``kfac_with_layers`` returns them with the
     transform.
+
+  References:
+    Martens, J. and Grosse, R. (2015). Optimizing neural networks with
+      Kronecker-factored approximate curvature. ICML. arXiv:1503.05671.
+    Grosse, R. and Martens, J. (2016). A Kronecker-factored approximate
+      Fisher matrix for convolution layers. ICML. arXiv:1602.01407.
+    Ba, J., Grosse, R. and Martens, J. (2017). Distributed second-order
+      optimization using Kronecker-factored approximations. ICLR.
+    Eschenhagen, R., Immer, A., Turner, R. E., Schneider, F. and Hennig, P.
+      (2023). Kronecker-factored approximate curvature for modern neural
+      network architectures. NeurIPS. arXiv:2311.00636.
   """
   options = dict(locals())  # First statement: exactly the arguments.
   del options["loss_fn"], options["example_batch"]

@@ -59,6 +59,11 @@ Statistics depend on the state (the basis they are measured in):
 state they will be ``update``-d into, as ``kfl.kfac`` passes it.
 ``use_cache`` is accepted and changes nothing: ``F`` is always defined by
 the cached basis and the current ``s``.
+
+References:
+  George, T., Laurent, C., Bouthillier, X., Ballas, N. and Vincent, P.
+    (2018). Fast approximate natural gradient descent in a Kronecker-factored
+    eigenbasis. NeurIPS. arXiv:1806.03884.
 """
 from __future__ import annotations
 

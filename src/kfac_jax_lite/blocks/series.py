@@ -286,7 +286,7 @@ class SeriesDense(base.Block):
     must be -1 (``NotImplementedError`` otherwise); ``method`` is not used
     (the inverse roots come from eigendecompositions)."""
     del method
-    _check_exp(exp)
+    _check_precon_power(exp)
     da, dg = self._damping(state, damping)
     val = fac.factor_value
     qa = _option_quantities(self.option, val(state.a0), val(state.a1), da)
@@ -335,7 +335,7 @@ class SeriesDense(base.Block):
     return (y - _t(pa) @ y @ pg) / self.num_steps
 
   def multiply_matpower(self, state, v, damping, exp, use_cache=False):
-    _check_exp(exp)
+    _check_precon_power(exp)
     return self.multiply_inverse(state, v, damping, use_cache)
 
   def multiply(self, state, v):
@@ -358,11 +358,12 @@ _ONLY_INVERSE = ("{self!r}: a series block provides only the inverse "
                  "FullyConnectedSeriesFB did; {what} is not available")
 
 
-def _check_exp(exp):
-  if not (isinstance(exp, (int, float, np.floating)) and float(exp) == -1.0):
+def _check_precon_power(precon_power):
+  if not (isinstance(precon_power, (int, float, np.floating))
+          and float(precon_power) == -1.0):
     raise NotImplementedError(
         f"series blocks provide only the inverse (power -1, "
-        f"precon_power=-1.0), got power {exp!r}")
+        f"precon_power=-1.0), got power {precon_power!r}")
 
 
 def _keep(f, new, ok, step):
