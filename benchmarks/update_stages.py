@@ -51,9 +51,10 @@ def main(argv=None):
   params, batch = M.random_problem(dims, args.batch)
   key = jax.random.PRNGKey(0)
   est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
-  kfac = kfl.kfac(loss_fn, batch, damping=1.0, inverse_every=10)
+  kfac, layers_of = transform.kfac_with_layers(loss_fn, batch, damping=1.0,
+                                              inverse_every=10)
   tx = optax.chain(kfac, optax.sgd(0.01, momentum=0.9))
-  layers = kfac.update.layers(params).layers
+  layers = layers_of(params).layers
   est = jax.jit(est_fn)(params, batch, key)
   state = tx.init(params)
   state = jax.jit(lambda g, s, p, st: tx.update(g, s, p, stats=st))(

@@ -19,6 +19,7 @@ import pytest
 from jax import lax
 
 import kfac_jax_lite as kfl
+from kfac_jax_lite import transform
 from kfac_jax_lite import blocks as B
 
 from _helpers import assert_rounding_close, x64_mode
@@ -195,7 +196,7 @@ def _net_setup():
 
 def test_kfac_with_reduce_takes_a_step_with_reduce_conv_blocks():
   p, b = _net_setup()
-  k = kfl.kfac(_net, b, weight_sharing="reduce")
+  k, layers_of = transform.kfac_with_layers(_net, b, weight_sharing="reduce")
   tx = optax.chain(k, optax.sgd(0.05))
   state = tx.init(p)
   loss, grads = jax.value_and_grad(_net)(p, b)
@@ -204,7 +205,7 @@ def test_kfac_with_reduce_takes_a_step_with_reduce_conv_blocks():
   new = optax.apply_updates(p, updates)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(updates))
   assert _net(new, b) < loss
-  layers = {l.name: l.block for l in k.update.layers(p).layers}
+  layers = {l.name: l.block for l in layers_of(p).layers}
   assert {type(v).__name__: v.weight_sharing for v in layers.values()} == {
       "KroneckerConv": "reduce", "KroneckerDense": "reduce"}
   # After one step the (zero-debiased) input factor is this batch's reduce A:

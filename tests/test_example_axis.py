@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
+from kfac_jax_lite import transform
 from _helpers import x64_mode
 
 V, D, H = 5, 3, 4
@@ -99,7 +100,8 @@ def test_kfac_and_kfac_optimizer_take_example_axis():
   with x64_mode(True):
     params, batch = _params(), _batch(3, 4)
     kw = dict(estimation="exact")
-    tx_tm = kfl.kfac(time_major_loss, batch, example_axis=1, **kw)
+    tx_tm, layers_tm = transform.kfac_with_layers(
+        time_major_loss, batch, example_axis=1, **kw)
     tx_bm = kfl.kfac(batch_major_loss, _transposed(batch), **kw)
     grads = jax.grad(time_major_loss)(params, batch)
     u_tm, _ = tx_tm.update(grads, tx_tm.init(params), params, batch=batch)
@@ -112,7 +114,7 @@ def test_kfac_and_kfac_optimizer_take_example_axis():
     loss_grads = jax.grad(time_major_loss)(params, batch)
     updates, _ = opt.update(loss_grads, state, params, batch=batch)
     assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
-    assert not any(l.row_uses for l in tx_tm.update.layers(params).layers)
+    assert not any(l.row_uses for l in layers_tm(params).layers)
 
 
 def test_describe_says_which_axis_it_took_when_t_equals_b():

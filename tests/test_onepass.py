@@ -124,6 +124,53 @@ def test_stats_fraction_with_aux_and_errors():
     est_fn(params, small, jax.random.PRNGKey(0))
 
 
+def dropout_loss(params, batch):
+  """``loss_fn`` with dropout on the hidden layer, its key in the batch."""
+  h = jnp.tanh(batch["x"] @ params[0]["w"] + params[0]["b"])
+  keep = jax.random.bernoulli(batch["dropout_key"], 0.7, h.shape)
+  h = jnp.where(keep, h / 0.7, 0.0)
+  logits = h @ params[1]["w"] + params[1]["b"]
+  return kfl.softmax_cross_entropy_with_integer_labels(
+      logits, batch["y"]).mean()
+
+
+def test_stats_fraction_keeps_a_dropout_key_in_the_batch():
+  # The key is a batch leaf of leading size 2 that is not examples: the
+  # statistics' pass takes the first half of x and y and the same key (the
+  # model's mask is then drawn for 6 examples from it), as a batch cut by
+  # hand does; before, every leaf was cut and the key refused.
+  with x64_mode(True):
+    params = init_params(jnp.float64)
+    batch = {**make_batch(jnp.float64),
+             "dropout_key": jax.random.PRNGKey(3)}
+    half = {"x": batch["x"][:N // 2], "y": batch["y"][:N // 2],
+            "dropout_key": batch["dropout_key"]}
+    key = jax.random.split(jax.random.PRNGKey(5))[1]  # kfac's stats key.
+
+    est = jax.jit(kfl.value_grad_and_stats(
+        dropout_loss, params, batch, stats_fraction=0.5))(params, batch, key)
+    alone = jax.jit(kfl.value_grad_and_stats(
+        dropout_loss, params, half))(params, half, key)
+    assert est.weights.shape == (N // 2,)
+    for s, want in zip(jax.tree.leaves(est.stats), jax.tree.leaves(alone.stats)):
+      np.testing.assert_allclose(s, want, rtol=1e-12, atol=1e-15)
+    # The loss and gradient are the whole batch's, with the key.
+    loss, grads = jax.value_and_grad(dropout_loss)(params, batch)
+    np.testing.assert_allclose(est.loss, loss, rtol=1e-12)
+
+    tx = kfl.kfac(dropout_loss, batch, stats_fraction=0.5, seed=5)
+    tx_half = kfl.kfac(dropout_loss, half, seed=5)
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params, batch=batch)
+    _, want = jax.jit(tx_half.update)(grads, tx_half.init(params), params,
+                                      batch=half)
+    for s, w in zip(jax.tree.leaves(state.blocks), jax.tree.leaves(want.blocks)):
+      np.testing.assert_allclose(s, w, rtol=1e-12, atol=1e-15)
+    full = kfl.kfac(dropout_loss, batch, seed=5)
+    _, other = jax.jit(full.update)(grads, full.init(params), params,
+                                    batch=batch)
+    assert not np.allclose(flat(state.blocks), flat(other.blocks), rtol=1e-3)
+
+
 def _conditionals(tx, params, batch):
   state = tx.init(params)
   grads = jax.grad(plain_loss)(params, batch)

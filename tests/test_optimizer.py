@@ -259,7 +259,7 @@ def test_needs_a_registered_loss_and_rejects_fixed_damping():
 def test_one_trace_serves_the_preconditioner_and_the_quadratic_model(
     monkeypatch):
   # The quadratic model reads its registered losses from the preconditioner's
-  # own detection (kfac's ``update.layers``): loss_fn is traced for the layers
+  # own detection (``transform.kfac_with_layers``): loss_fn is traced for the layers
   # once, not once more with a cache of the optimizer's own.
   calls = []
   find_layers = kfl.tagging.find_layers
@@ -275,3 +275,20 @@ def test_one_trace_serves_the_preconditioner_and_the_quadratic_model(
   grads = jax.tree.map(jnp.zeros_like, params)
   jax.eval_shape(lambda s: tx.update(grads, s, params, batch=BATCH), state)
   assert calls == [("1/*",)]
+
+
+def test_kfac_with_layers_gives_the_blocks_kfac_uses_and_checks_its_options():
+  # The detection is a function beside the transform, not an attribute of
+  # its update: wrapping the transform (optax.chain) leaves it usable.
+  from kfac_jax_lite import transform
+  params = init_params()
+  tx, layers = transform.kfac_with_layers(loss_fn, BATCH,
+                                          blocks={"0/*": "full"})
+  chained = optax.chain(tx, optax.sgd(0.1))
+  chained.update(jax.grad(loss_fn)(params, BATCH), chained.init(params),
+                 params, batch=BATCH)
+  table = kfl.describe(loss_fn, params, BATCH, blocks={"0/*": "full"})
+  assert [type(l.block).__name__ for l in layers(params).layers] == [
+      r.block for r in table]
+  with pytest.raises(TypeError, match="dampingg"):
+    transform.kfac_with_layers(loss_fn, BATCH, dampingg=1.0)

@@ -13,7 +13,8 @@ is called; outside any mesh the check is skipped for it.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
+
+from kfac_jax_lite import _dtypes
 
 
 def refusal(tagged, params, batch, estimation="fisher", num_samples=1):
@@ -24,8 +25,8 @@ def refusal(tagged, params, batch, estimation="fisher", num_samples=1):
   leaves = jax.tree.leaves(params)
 
   def one(p, b):
-    states = {l.name: l.block.init(jnp.result_type(
-        jnp.float32, *[leaves[i].dtype for i in l.leaves]))
+    states = {l.name: l.block.init(_dtypes.float_dtype(
+        [leaves[i] for i in l.leaves]))
         for l in tagged.layers}
     est = estimators.estimate(tagged, p, b, jax.random.PRNGKey(0),
                               estimation=estimation, num_samples=num_samples,

@@ -120,41 +120,44 @@ def cache_kind(mode):
   return "eigh" if mode == "exact" else "power"
 
 
-def matpower(s: KroneckerState, v, damping, exp, mode, renorm_coeff,
-             use_cache=False, method="auto"):
-  """``(F + λI)^exp V`` in the given damping mode.
+def matpower(s: KroneckerState, v, damping, precon_power, mode,
+             renorm_coeff, use_cache=False, inverse_method="auto"):
+  """``(F + λI)^p V`` (``p = precon_power``) in the given damping mode.
 
   With ``use_cache`` in ``"pi"`` mode the factors' cached damped powers
   (computed by ``refresh``, with the damping and power given then) are
   used; in ``"exact"`` mode the cached eigendecompositions are used with
-  the damping and power given now. ``method``: how damped inverses are
-  computed without the cache (``factor.INVERSE_METHODS``).
+  the damping and power given now. ``inverse_method``: how damped inverses
+  are computed without the cache (``factor.INVERSES``).
   """
   if mode == "exact":
     qa, qg, spec = _exact_spectrum(s, damping, renorm_coeff, use_cache)
-    return _from_eigenbasis(spec ** exp * _to_eigenbasis(v, qa, qg), qa, qg)
+    return _from_eigenbasis(
+        spec ** precon_power * _to_eigenbasis(v, qa, qg), qa, qg)
   if use_cache:
     pa, pg = s.a.cache.matpower, s.g.cache.matpower
   else:
     da, dg = pi_adjusted_damping(s, damping, renorm_coeff)
-    pa = fac.damped_matpower(s.a, da, exp, method=method)
-    pg = fac.damped_matpower(s.g, dg, exp, method=method)
+    pa = fac.damped_matpower(s.a, da, precon_power, method=inverse_method)
+    pg = fac.damped_matpower(s.g, dg, precon_power, method=inverse_method)
   out = right(left(pa, v, fac.is_diagonal(s.a)), pg, fac.is_diagonal(s.g))
-  return renorm_coeff ** exp * out
+  return renorm_coeff ** precon_power * out
 
 
-def refresh(s: KroneckerState, damping, exp, mode, renorm_coeff, step,
-            method="auto"):
+def refresh(s: KroneckerState, damping, precon_power, mode, renorm_coeff,
+            step, inverse_method="auto"):
   """Cache what ``matpower(..., use_cache=True)`` needs: in ``"exact"`` mode
   the eigendecompositions, in ``"pi"`` mode the π-damped powers (inverses
-  by ``method``, see ``factor.INVERSE_METHODS``)."""
+  by ``inverse_method``, see ``factor.INVERSES``)."""
   if mode == "exact":
     return KroneckerState(fac.refresh_cache(s.a, step),
                           fac.refresh_cache(s.g, step))
   da, dg = pi_adjusted_damping(s, damping, renorm_coeff)
   return KroneckerState(
-      fac.refresh_cache(s.a, step, damping=da, exp=exp, method=method),
-      fac.refresh_cache(s.g, step, damping=dg, exp=exp, method=method))
+      fac.refresh_cache(s.a, step, damping=da, exp=precon_power,
+                        method=inverse_method),
+      fac.refresh_cache(s.g, step, damping=dg, exp=precon_power,
+                        method=inverse_method))
 
 
 def cholesky(s: KroneckerState, v, damping, mode, renorm_coeff, *,

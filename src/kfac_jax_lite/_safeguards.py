@@ -9,6 +9,7 @@ gradient itself for a non-finite preconditioned update.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import optax
 
 from kfac_jax_lite import _packing
 from kfac_jax_lite import factor as fac
@@ -16,10 +17,10 @@ from kfac_jax_lite import factor as fac
 
 def inner_product(updates, grad_leaves, dtype):
   """``⟨u, g⟩`` over all leaves, in ``dtype`` (the small leaves packed
-  into few kernels, ``_packing``)."""
+  into few kernels, ``_packing``, then ``optax.tree_utils.tree_vdot``)."""
   us = _packing.pack([u.astype(dtype) for u in updates])
   gs = _packing.pack([g.astype(dtype) for g in grad_leaves])
-  return sum((jnp.vdot(u, g) for u, g in zip(us, gs)), jnp.zeros((), dtype))
+  return jnp.asarray(optax.tree_utils.tree_vdot(us, gs), dtype)
 
 
 def clip(updates, grad_leaves, norm_constraint, dtype):

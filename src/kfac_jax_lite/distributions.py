@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from kfac_jax_lite import _dtypes
+
 
 class PredictiveDistribution:
   """Base class; see the module docstring for the protocol."""
@@ -71,7 +73,7 @@ class PredictiveDistribution:
 def at_least_f32(x):
   """``x`` as a float of at least 32 bits (float64 stays float64)."""
   x = jnp.asarray(x)
-  return x.astype(jnp.result_type(jnp.float32, x.dtype))
+  return x.astype(_dtypes.float_dtype(x))
 
 
 def psd_sqrt(hessian):

@@ -115,6 +115,7 @@ import optax
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
+from kfac_jax_lite import _dtypes
 from kfac_jax_lite import transform
 
 BASES = ("kfac", "shampoo")
@@ -206,9 +207,9 @@ def power_step(c, q_old):
   return jnp.einsum("...ij,...ik,...kj->...j", q, c, q), q
 
 
-def refresh_factor(f, step, method):
+def refresh_factor(f, step, refresh):
   """``f`` with a new basis in its cache: ``eigh`` of its value, or
-  (``method="power"`` and a basis already there) one ``power_step`` from
+  (``refresh="power"``, ``eigen_adam``'s, and a basis already there) one ``power_step`` from
   the cached basis; a result that is not finite keeps the old cache and
   counts in ``cache.num_failed``. A diagonal factor (identity basis) only
   records the step."""
@@ -216,7 +217,7 @@ def refresh_factor(f, step, method):
     return f._replace(cache=f.cache._replace(
         step=jnp.asarray(step, jnp.int32)))
   c = fac.factor_value(f)
-  if method == "power":
+  if refresh == "power":
     w, q = jax.lax.cond(f.cache.step >= 0,
                         lambda c, q: power_step(c, q),
                         lambda c, q: fac.eigh(c), c, f.cache.eigvecs)
@@ -332,6 +333,14 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     keyword arguments, such as ``loss=``, are accepted and not used)
     (``basis="kfac"`` needs ``batch=`` or ``stats=``, an
     ``Estimate.stats`` of ``kfl.value_grad_and_stats``).
+
+  References:
+    George, T., Laurent, C., Bouthillier, X., Ballas, N. and Vincent, P.
+      (2018). Fast approximate natural gradient descent in a Kronecker-factored
+      eigenbasis. NeurIPS. arXiv:1806.03884.
+    Vyas, N., Morwani, D., Zhao, R., Kwun, M., Shapira, I., Brandfonbrener,
+      D., Janson, L. and Kakade, S. (2024). SOAP: Improving and stabilizing
+      Shampoo using Adam. arXiv:2409.11321.
   """
   _check("basis", basis, BASES)
   _check("refresh", refresh, REFRESHES)
@@ -341,12 +350,11 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
                      f"{refresh_every!r}")
   # kfl.kfac's tagging and block choice; "exact" damping gives Kronecker
   # blocks "eigh" caches, where the bases are kept. Its update is not used.
-  kfac_tx = transform.kfac(
+  tagged_for = transform.kfac_with_layers(
       loss_fn, example_batch, estimation=estimation, num_samples=num_samples,
       damping_mode="exact", stats_fraction=stats_fraction, blocks=blocks,
       exclude=exclude, weight_sharing=weight_sharing, has_aux=has_aux,
-      example_axis=example_axis)
-  tagged_for = kfac_tx.update.layers  # pyright: ignore[reportAttributeAccessIssue]  # kfac's update_fn carries .layers (an attribute optax's type does not declare)
+      example_axis=example_axis).layers
 
   def rotated(tagged):
     return [l for l in tagged.layers if is_rotated(l)]
@@ -358,7 +366,7 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     leaves = jax.tree.leaves(params)
     layers = rotated(tagged)
     covered = {i for l in layers for i in l.leaves}
-    states = {l.name: l.block.init(transform.float_dtype(
+    states = {l.name: l.block.init(_dtypes.float_dtype(
         [leaves[i] for i in l.leaves])) for l in layers}
     def moment(l):
       lay = inner_block(l.block).layout
@@ -403,7 +411,8 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       # This batch's own trace (another batch size), checked to give the
       # example batch's layers, as kfl.kfac does.
       tagged = tagged_for(params, batch)
-      estimators.stats_batch_size(batch, stats_fraction, "eigen_adam.update")
+      estimators.stats_batch_size(batch, stats_fraction, "eigen_adam.update",
+                                  tagged.examples)
 
     def fold(blocks):
       """This step's statistics into the factors."""
@@ -424,7 +433,7 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       if axis_name is not None:
         stats_key = jax.random.fold_in(stats_key,
                                        jax.lax.axis_index(axis_name))
-      dtype = transform.float_dtype(params)
+      dtype = _dtypes.float_dtype(params)
       all_states = {l.name: (blocks[l.name] if l.name in blocks
                              else l.block.init(dtype)) for l in tagged.layers}
       stats_now, _ = transform.statistics(
@@ -503,5 +512,4 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
         nu_basis=nu_b, mu=tuple(mu), nu=tuple(nu))
     return jax.tree.unflatten(treedef, out), new_state
 
-  update_fn.layers = tagged_for
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

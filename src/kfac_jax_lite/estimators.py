@@ -97,6 +97,18 @@ fallbacks):
 Every quantity keeps the parameters' precision: ``c``, the square roots
 and the cotangents are at least float32 and stay float64 under
 ``jax_enable_x64``.
+
+References:
+  Martens, J. and Grosse, R. (2015). Optimizing neural networks with
+    Kronecker-factored approximate curvature. ICML. arXiv:1503.05671.
+  Martens, J., Sutskever, I. and Swersky, K. (2012). Estimating the
+    Hessian by back-propagating curvature. ICML. arXiv:1206.6464.
+  Kunstner, F., Balles, L. and Hennig, P. (2019). Limitations of the
+    empirical Fisher approximation for natural gradient descent. NeurIPS.
+    arXiv:1905.12558.
+  Eschenhagen, R., Immer, A., Turner, R. E., Schneider, F. and Hennig, P.
+    (2023). Kronecker-factored approximate curvature for modern neural
+    network architectures. NeurIPS. arXiv:2311.00636.
 """
 from __future__ import annotations
 
@@ -106,6 +118,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kfac_jax_lite._dtypes import float_dtype
 from kfac_jax_lite import tagging
 from kfac_jax_lite._fraction import (  # noqa: F401 (re-exported)
     check_stats_fraction, stats_batch_size, stats_slice)
@@ -427,7 +440,7 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
   if not tagged.losses:
     check_has_loss(tagged, estimation, "value_grad_and_stats")
     n = _batch_size(tagged, batch)
-    c_i = jnp.full((n,), 1.0 / n, _float(loss.dtype))
+    c_i = jnp.full((n,), 1.0 / n, float_dtype(loss.dtype))
     cots = {u: probe_ct[u][None] * n for u in layer_uids}
     stats = _layer_stats(tagged, caps, cots, c_i, states)
     if has_fallbacks:
@@ -436,7 +449,7 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
           states))
     return Estimate(loss, aux, grads, stats, c_i)
 
-  c_elems = [probe_ct[t.uid].astype(_float(probe_ct[t.uid].dtype))
+  c_elems = [probe_ct[t.uid].astype(float_dtype(probe_ct[t.uid].dtype))
              for t in tagged.losses]
   first = tagged.losses[0]
   n = c_elems[0].shape[first.example_axis] if c_elems[0].ndim else 1
@@ -517,8 +530,3 @@ def _batch_size(tagged, batch):
     raise ValueError("the batch is empty (its arrays have a leading batch "
                      "size of 0)")
   return n
-
-
-def _float(dtype):
-  """At least float32; float64 stays float64 (``jax_enable_x64``)."""
-  return jnp.result_type(jnp.float32, dtype)

@@ -24,36 +24,13 @@ Parts a kind does not keep have size 0 along their last axis. The cache also
 holds the step of the last good refresh and how many refreshes failed (a
 decomposition that fails keeps the last good cache).
 
-Damped inverses ``(C + d·I)⁻¹`` come from one of ``INVERSE_METHODS``:
-
-* ``"gauss_jordan"`` — blocked Gauss–Jordan elimination (``_inverse``):
-  XLA matrix products only, ``2n³`` flops in rank-64 updates, forward
-  error like a Cholesky inverse's (its residual ``‖mX − I‖`` grows like
-  ``κ(m)²·ε``, not ``κ(m)·ε``). The default on CPU, where LAPACK's own
-  thread pool competes with XLA's (a refresh through LAPACK was 6-40×
-  slower there unless the user capped it).
-* ``"schur"`` — one Schur-complement split (``_inverse``): above 512,
-  ``m⁻¹`` from the sweeps of its leading half ``A`` and of the Schur
-  complement ``S = D − Bᵀ A⁻¹ B`` (``A⁻¹ B`` refined once) and six square
-  products of size ``n/2``. XLA matrix products only, ``2n³`` flops, three
-  quarters of them in square products: on the MNIST autoencoder's 16
-  factors 0.75-0.86× the time of ``"gauss_jordan"`` (CPU), forward error
-  within about 2× of it, and a program with about 1.5× its fusions (so
-  a slower first compile). Below 513 it is ``"gauss_jordan"``.
-* ``"cholesky"`` — ``L Lᵀ = C + d·I`` (LAPACK / cuSOLVER), then
-  ``L⁻ᵀ L⁻¹`` by two triangular solves against ``I``. The default on other
-  backends.
-* ``"newton_schulz"`` — ``X ← X + X(I − (C + d·I) X)`` warm-started from the
-  cached inverse of the last refresh, while the residual keeps halving; if
-  it does not reach rounding level (or there is no cache yet) the inverse
-  is computed by ``"gauss_jordan"`` instead (a ``lax.cond``). Matrix
-  products only (``4n³`` flops a step); under ``vmap`` both branches run.
-* ``"eigh"`` — ``Q (Λ + d)⁻¹ Qᵀ`` from the eigendecomposition, eigenvalues
-  clipped at 0.
-
-``"auto"`` picks per backend. Powers other than -1 always use ``eigh``. A
-decomposition fails when the damped factor is not numerically positive
-definite (a non-positive pivot) or the result is not finite.
+Damped inverses ``(C + d·I)⁻¹`` come from one of the methods of the
+registry ``INVERSES`` (its entry lists them), named by ``inverse_method``
+(``kfl.kfac``) or ``method`` (here); ``INVERSE_METHODS`` are those names
+and ``"auto"``, which picks per backend (``AUTO_METHODS``). Powers other
+than -1 always use ``eigh``. A decomposition fails when the damped factor
+is not numerically positive definite (a non-positive pivot) or the result
+is not finite.
 
 Everything here is a pure function on ``FactorState``; nothing traces user
 code and nothing depends on optax.
@@ -72,7 +49,7 @@ from kfac_jax_lite import _packing
 
 __all__ = [
     "AUTO_DEFAULT", "AUTO_METHODS", "CACHE_KINDS", "FactorCache",
-    "FactorState", "INVERSE_METHODS", "all_finite", "cache_kind",
+    "FactorState", "INVERSES", "INVERSE_METHODS", "all_finite", "cache_kind",
     "check_inverse_method", "damped_cholesky", "damped_matpower", "eigh",
     "factor_value", "init_factor", "is_diagonal", "multiply",
     "multiply_inverse", "multiply_matpower", "refresh_cache", "update_cov",
@@ -83,9 +60,6 @@ Array = jax.Array
 
 CACHE_KINDS = ("power", "eigh")
 """The kinds of cached decomposition (``FactorCache``)."""
-INVERSE_METHODS = ("auto", "gauss_jordan", "schur", "cholesky", "newton_schulz",
-                   "eigh")
-"""The ways a refresh can compute the damped inverse (``inverse_method``)."""
 # "auto" per backend: measured on CPU (benchmarks/README.md); elsewhere the
 # vendor's Cholesky until measured (see check_inverse_method).
 AUTO_METHODS = {"cpu": "gauss_jordan"}
@@ -230,31 +204,95 @@ def eigh(c: Array):
   return jnp.maximum(w, 0), q
 
 
-def _power_from_eigh(w, q, damping, exp) -> Array:
+def _power_from_eigh(w, q, damping, precon_power) -> Array:
   d = _damping_array(damping, w.dtype)
-  return (q * (w + d)[..., None, :] ** exp) @ jnp.swapaxes(q, -1, -2)
+  return ((q * (w + d)[..., None, :] ** precon_power)
+          @ jnp.swapaxes(q, -1, -2))
 
 
 def _damped(c: Array, damping) -> Array:
   return c + jnp.asarray(damping, c.dtype)[..., None, None] * _eye_like(c)
 
 
-def _damped_inverse(c: Array, damping, method: str, warm=None):
-  """``((C + d·I)⁻¹, ok)`` by ``method`` (resolved); ``ok`` a scalar bool."""
+def _by_gauss_jordan(c, damping, warm=None):
+  del warm
+  return _inverse.gauss_jordan_inverse(_damped(c, damping))
+
+
+def _by_schur(c, damping, warm=None):
+  del warm
+  return _inverse.schur_inverse(_damped(c, damping))
+
+
+def _by_cholesky(c, damping, warm=None):
+  del warm
   m = _damped(c, damping)
-  if method == "schur":
-    return _inverse.schur_inverse(m)
-  if method == "gauss_jordan" or (method == "newton_schulz" and warm is None):
-    return _inverse.gauss_jordan_inverse(m)
-  if method == "newton_schulz":
-    x, converged = _inverse.newton_schulz_inverse(m, warm)
-    return jax.lax.cond(converged, lambda m: (x, converged),
-                        _inverse.gauss_jordan_inverse, m)
-  if method == "cholesky":
-    inv = jsl.cho_solve((jnp.linalg.cholesky(m), True), _eye_like(m))
-  else:
-    inv = _power_from_eigh(*eigh(c), damping, -1.0)
+  inv = jsl.cho_solve((jnp.linalg.cholesky(m), True), _eye_like(m))
   return inv, all_finite(inv)
+
+
+def _by_newton_schulz(c, damping, warm=None):
+  m = _damped(c, damping)
+  if warm is None:
+    return _inverse.gauss_jordan_inverse(m)
+  x, converged = _inverse.newton_schulz_inverse(m, warm)
+  return jax.lax.cond(converged, lambda m: (x, converged),
+                      _inverse.gauss_jordan_inverse, m)
+
+
+def _by_eigh(c, damping, warm=None):
+  del warm
+  inv = _power_from_eigh(*eigh(c), damping, -1.0)
+  return inv, all_finite(inv)
+
+
+INVERSES = {
+    "gauss_jordan": _by_gauss_jordan,
+    "schur": _by_schur,
+    "cholesky": _by_cholesky,
+    "newton_schulz": _by_newton_schulz,
+    "eigh": _by_eigh,
+}
+"""The damped-inverse methods: name -> ``fn(c, damping, warm=None) ->
+((C + d·I)⁻¹, ok)`` (``ok`` a scalar bool: the inverse is usable; ``warm``
+the last refresh's inverse, or None). The one place they are described:
+
+* ``"gauss_jordan"`` — blocked Gauss–Jordan elimination (``_inverse``):
+  XLA matrix products only, ``2n³`` flops in rank-64 updates, forward
+  error like a Cholesky inverse's (its residual ``‖mX − I‖`` grows like
+  ``κ(m)²·ε``, not ``κ(m)·ε``). The default on CPU, where LAPACK's own
+  thread pool competes with XLA's (``benchmarks/README.md``, "The
+  refresh's inverses on their own", has the timings).
+* ``"schur"`` — one Schur-complement split (``_inverse``): above 512,
+  ``m⁻¹`` from the sweeps of its leading half ``A`` and of the Schur
+  complement ``S = D − Bᵀ A⁻¹ B`` (``A⁻¹ B`` refined once) and six square
+  products of size ``n/2``. XLA matrix products only, ``2n³`` flops, three
+  quarters of them in square products: faster than ``"gauss_jordan"`` on
+  CPU at those sizes, with a larger program (a slower first compile) and
+  a forward error of the same order (``benchmarks/README.md``). Below 513
+  it is ``"gauss_jordan"``.
+* ``"cholesky"`` — ``L Lᵀ = C + d·I`` (LAPACK / cuSOLVER), then
+  ``L⁻ᵀ L⁻¹`` by two triangular solves against ``I``. The default on other
+  backends.
+* ``"newton_schulz"`` — ``X ← X + X(I − (C + d·I) X)`` warm-started from the
+  cached inverse of the last refresh, while the residual keeps halving; if
+  it does not reach rounding level (or there is no cache yet) the inverse
+  is computed by ``"gauss_jordan"`` instead (a ``lax.cond``). Matrix
+  products only (``4n³`` flops a step); under ``vmap`` both branches run.
+* ``"eigh"`` — ``Q (Λ + d)⁻¹ Qᵀ`` from the eigendecomposition, eigenvalues
+  clipped at 0.
+
+All are exact to rounding.
+"""
+INVERSE_METHODS = ("auto", *INVERSES)
+"""The names ``inverse_method`` (``method``) accepts: ``"auto"`` (per
+backend, ``AUTO_METHODS``) and the keys of ``INVERSES``."""
+
+
+def _damped_inverse(c: Array, damping, inverse_method: str, warm=None):
+  """``((C + d·I)⁻¹, ok)`` by ``inverse_method`` (resolved, a key of
+  ``INVERSES``); ``ok`` a scalar bool."""
+  return INVERSES[inverse_method](c, damping, warm)
 
 
 def damped_cholesky(state: FactorState, damping) -> Array:

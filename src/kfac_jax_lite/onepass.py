@@ -156,13 +156,16 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
       example_axis=example_axis).with_blocks(
           blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
   check_has_loss(tagged, estimation, "value_grad_and_stats")
+  stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)",
+                   tagged.examples)  # Now knowing which leaves are examples.
 
   def with_statistics(params, batch, key, states):
     if stats_fraction >= 1.0:
       return estimate(tagged, params, batch, key, estimation=estimation,
                       num_samples=num_samples, states=states)
     part = estimate(tagged, params,
-                    stats_slice(batch, stats_fraction, "value_grad_and_stats"),
+                    stats_slice(batch, stats_fraction, "value_grad_and_stats",
+                                tagged.examples),
                     key, estimation=estimation, num_samples=num_samples,
                     states=states)
     loss, aux, grads = plain(params, batch)

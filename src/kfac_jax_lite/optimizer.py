@@ -64,25 +64,41 @@ import jax.numpy as jnp
 import optax
 
 from kfac_jax_lite import estimators
+from kfac_jax_lite import _dtypes
 from kfac_jax_lite import transform
 
 
 class KfacOptimizerState(NamedTuple):
-  """The state of ``kfac_optimizer``: the inner ``KfacState`` and the adapted
-  damping, step and momentum."""
+  """The state of ``kfl.kfac_optimizer``: the inner ``KfacState`` and the
+  adapted damping, step and momentum (a pytree of arrays).
+
+  Attributes:
+    kfac: the ``KfacState`` of the preconditioner (its statistics, caches
+      and safeguard counters; ``kfl.health`` reads it).
+    damping: ``λ``, adapted by the Levenberg–Marquardt rule
+      (``levenberg_marquardt``); the preconditioner's is ``λ + l2_reg``.
+    velocity: the previous update ``δ`` (a pytree like the parameters),
+      the momentum direction.
+    learning_rate: ``α`` of the last step (``quadratic_model_step``).
+    momentum: ``μ`` of the last step.
+    rho: the last reduction ratio ``ρ`` (``reduction_ratio``), from the
+      last step that adapted the damping.
+  """
 
   kfac: transform.KfacState
-  damping: Any  # λ, adapted by Levenberg–Marquardt.
-  velocity: Any  # The previous update δ.
-  learning_rate: Any  # α of the last step.
-  momentum: Any  # μ of the last step.
-  rho: Any  # The last reduction ratio ρ.
+  damping: Any
+  velocity: Any
+  learning_rate: Any
+  momentum: Any
+  rho: Any
 
 
 def _tree_dot(a, b):
-  dtype = transform.float_dtype((a, b))
-  return sum(jnp.vdot(x.astype(dtype), y.astype(dtype))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  """``⟨a, b⟩`` over all leaves (``optax.tree_utils.tree_vdot``), in the
+  wider of their dtypes (at least float32)."""
+  dtype = _dtypes.float_dtype((a, b))
+  cast = lambda t: jax.tree.map(lambda x: x.astype(dtype), t)
+  return optax.tree_utils.tree_vdot(cast(a), cast(b))
 
 
 def _curvature_forms(tagged, params, batch, directions, curvature):
@@ -100,7 +116,7 @@ def _curvature_forms(tagged, params, batch, directions, curvature):
     dist = t.distribution
     roots = (dist.ggn_sqrt(outs[j], targets[j]) if curvature == "ggn"
              else dist.fisher_sqrt(outs[j]))
-    c_e = jnp.maximum(c[j].astype(transform.float_dtype(c[j])), 0)
+    c_e = jnp.maximum(c[j].astype(_dtypes.float_dtype(c[j])), 0)
     proj = 0.0
     for b, v in zip(roots, jv[j]):  # b [*values, *event, K], v [2, *values, *event]
       event = b.ndim - 1 - c_e.ndim
@@ -109,6 +125,82 @@ def _curvature_forms(tagged, params, batch, directions, curvature):
     # proj [2, *values, K]: Bᵀ J v per element.
     total = total + jnp.einsum("i...k,j...k,...->ij", proj, proj, c_e)
   return total, loss
+
+
+def quadratic_model_step(q, b, *, use_momentum=True, max_momentum=0.99):
+  """The ``[α, μ]`` minimising the quadratic model ``½ cᵀ Q c + cᵀ b``.
+
+  ``Q [2, 2]`` and ``b [2]`` are the model along ``(Δ, δ)`` (the K-FAC
+  direction and the previous update; module docstring, step 1). The model
+  is convex, so its minimum over ``μ ∈ [0, max_momentum]`` is at the
+  unconstrained ``μ = -(Q⁻¹ b)₁`` clipped to that interval, with ``α``
+  re-minimised for it: ``α = -(b₀ + μ Q₀₁) / Q₀₀``. Without momentum (or
+  for a singular ``Q``: ``det Q ≤ 1e-12 Q₀₀ Q₁₁``, e.g. ``δ = 0`` on the
+  first step) ``μ = 0`` and ``α = -b₀ / Q₀₀``.
+
+  Args:
+    q: ``Q``, the (damped) curvature of the model, ``[2, 2]``.
+    b: ``b = [gᵀΔ, gᵀδ]``, ``[2]``.
+    use_momentum: whether ``μ`` is solved for (a bool, possibly traced);
+      else ``μ = 0``.
+    max_momentum: the upper end of ``μ``'s interval.
+
+  Returns:
+    ``[α, μ]`` in ``q``'s dtype; ``[0, 0]`` when ``Q₀₀ ≤ 0`` or the result
+    is not finite (the step is skipped).
+  """
+  dtype = q.dtype
+  det = q[0, 0] * q[1, 1] - q[0, 1] * q[1, 0]
+  solved = -jnp.linalg.solve(q + 1e-30 * jnp.eye(2, dtype=dtype), b)
+  use_both = use_momentum & (det > 1e-12 * q[0, 0] * q[1, 1])
+  mu = jnp.where(use_both & jnp.isfinite(solved[1]),
+                 jnp.clip(solved[1], 0.0, max_momentum), 0.0)
+  alpha = -(b[0] + mu * q[0, 1]) / jnp.where(q[0, 0] > 0, q[0, 0], 1.0)
+  coeffs = jnp.stack([alpha, mu]).astype(dtype)
+  ok = jnp.all(jnp.isfinite(coeffs)) & (q[0, 0] > 0)
+  return jnp.where(ok, coeffs, jnp.zeros(2, dtype))
+
+
+def reduction_ratio(new_loss, loss, model_change):
+  """``ρ = (L(θ + step) − L(θ)) / (M(step) − M(0))``, the actual over the
+  predicted reduction (M&G §6.5).
+
+  Args:
+    new_loss: ``L(θ + step)``.
+    loss: ``L(θ)``.
+    model_change: ``M(step) − M(0)`` of the undamped quadratic model.
+
+  Returns:
+    ``ρ``; ``-inf`` when it is not finite (a non-finite new loss), so that
+    ``levenberg_marquardt`` raises the damping. A ``model_change ≥ 0`` (no
+    predicted reduction, e.g. a skipped step) gives ``ρ = (L − L_new)``,
+    which the caller does not act on.
+  """
+  predicted = model_change < 0
+  rho = (new_loss - loss) / jnp.where(predicted, model_change, -1.0)
+  return jnp.where(jnp.isfinite(rho), rho, -jnp.inf)
+
+
+def levenberg_marquardt(damping, rho, omega, min_damping, max_damping):
+  """The Levenberg–Marquardt rule of M&G §6.5 for the damping ``λ``.
+
+  ``λ ← ωλ`` when ``ρ > ¾`` (the model predicted the loss well: trust it
+  more), ``λ ← λ/ω`` when ``ρ < ¼`` (including ``ρ = -inf``), ``λ``
+  unchanged in between; then clipped to ``[min_damping, max_damping]``.
+
+  Args:
+    damping: ``λ``.
+    rho: the reduction ratio ``ρ`` (``reduction_ratio``).
+    omega: ``ω = damping_decay^{T₁}`` in ``(0, 1)``.
+    min_damping: the floor of ``λ``.
+    max_damping: the ceiling of ``λ``.
+
+  Returns:
+    The new ``λ``.
+  """
+  new = jnp.where(rho > 0.75, damping * omega,
+                  jnp.where(rho < 0.25, damping / omega, damping))
+  return jnp.clip(new, min_damping, max_damping)
 
 
 def _require(ok, message):
@@ -177,6 +269,10 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     ``αΔ + μδ`` (``stats=``: the statistics of ``kfl.value_grad_and_stats``,
     used by the preconditioner instead of its own pass, with ``loss=`` the
     batch's loss for ``kfl.health``, as ``kfl.kfac``'s; module docstring).
+
+  References:
+    Martens, J. and Grosse, R. (2015). Optimizing neural networks with
+      Kronecker-factored approximate curvature. ICML. arXiv:1503.05671.
   """
   if curvature not in ("ggn", "fisher"):
     raise ValueError(f"curvature must be 'ggn' or 'fisher', got {curvature!r}")
@@ -199,8 +295,9 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
   # (α, μ), so rescaling the direction would only rescale the reported α
   # (TF K-FAC and kfac-jax refuse norm_constraint with that step).
   kfac_options = {"norm_constraint": None, **kfac_options}
-  inner = transform.kfac(loss_fn, example_batch, has_aux=has_aux,
-                         damping=initial_damping, **kfac_options)
+  inner, kfac_layers = transform.kfac_with_layers(
+      loss_fn, example_batch, has_aux=has_aux, damping=initial_damping,
+      **kfac_options)
   omega = damping_decay ** interval
   axis_name = kfac_options.get("axis_name")
   # Under ``axis_name`` each device holds a shard of the batch: the quadratic
@@ -210,7 +307,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
 
   def tagged_for(params):
     # The preconditioner's own detection: one trace of loss_fn serves both.
-    tagged = inner.update.layers(params)  # pyright: ignore[reportAttributeAccessIssue]  # kfac's update_fn carries .layers (an attribute optax's type does not declare)
+    tagged = kfac_layers(params)
     if not tagged.losses:
       seen = ("; its terms: " + "; ".join(tagged.unrecognised)
               if tagged.unrecognised else "")
@@ -232,7 +329,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
   def init_fn(params):
     tagged_for(params)  # Refuse a loss_fn without a loss here, not at a step.
     zeros = jax.tree.map(jnp.zeros_like, params)
-    scalar = lambda x: jnp.asarray(x, transform.float_dtype(params))
+    scalar = lambda x: jnp.asarray(x, _dtypes.float_dtype(params))
     # optax types every transform's state as OptState; kfac's is a KfacState.
     kfac_state = typing.cast(transform.KfacState, inner.init(params))
     return KfacOptimizerState(kfac_state, scalar(initial_damping),
@@ -244,7 +341,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     if params is None or batch is None:
       raise ValueError("kfac_optimizer.update needs params and batch=")
     tagged = tagged_for(params)
-    dtype = transform.float_dtype(params)
+    dtype = _dtypes.float_dtype(params)
     lam = state.damping.astype(dtype)
     precond, kstate = inner.update(updates, state.kfac, params, batch=batch,
                                    stats=stats, damping=lam + l2_reg,
@@ -262,18 +359,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     b = jnp.array([_tree_dot(updates, delta), _tree_dot(updates, vel)], dtype)
     q_undamped = forms + l2_reg * gram
     q = q_undamped + lam * gram
-    # Minimise ½[α μ]Q[α μ]ᵀ + [α μ]·b with μ in [0, max_momentum]: the
-    # optimum is at the unconstrained μ clipped (the model is convex), with
-    # α = -(b₀ + μ Q₀₁)/Q₀₀ minimising it for that μ.
-    det = q[0, 0] * q[1, 1] - q[0, 1] * q[1, 0]
-    solved = -jnp.linalg.solve(q + 1e-30 * jnp.eye(2, dtype=dtype), b)
-    use_both = (~first) & use_momentum & (det > 1e-12 * q[0, 0] * q[1, 1])
-    mu = jnp.where(use_both & jnp.isfinite(solved[1]),
-                   jnp.clip(solved[1], 0.0, max_momentum), 0.0)
-    alpha = -(b[0] + mu * q[0, 1]) / jnp.where(q[0, 0] > 0, q[0, 0], 1.0)
-    coeffs = jnp.stack([alpha, mu])
-    ok = jnp.all(jnp.isfinite(coeffs)) & (q[0, 0] > 0)
-    coeffs = jnp.where(ok, coeffs, jnp.zeros(2, dtype))
+    coeffs = quadratic_model_step(q, b, use_momentum=(~first) & use_momentum,
+                                  max_momentum=max_momentum)
     alpha, mu = coeffs[0], coeffs[1]
     step = jax.tree.map(
         lambda d, v: (alpha * d + mu * v.astype(d.dtype)).astype(d.dtype),
@@ -287,15 +374,12 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       # reduction for (a skipped one) leaves λ alone; a non-finite or
       # negative ρ raises it (M&G §6.5), and a non-finite new loss also
       # rejects the step.
-      predicted = model_change < 0
-      rho = (new_loss - loss) / jnp.where(predicted, model_change, -1.0)
-      rho = jnp.where(jnp.isfinite(rho), rho, -jnp.inf).astype(dtype)
-      new_lam = jnp.where(rho > 0.75, lam * omega,
-                          jnp.where(rho < 0.25, lam / omega, lam))
-      new_lam = jnp.where(predicted | ~jnp.isfinite(new_loss), new_lam, lam)
+      rho = reduction_ratio(new_loss, loss, model_change).astype(dtype)
+      new_lam = levenberg_marquardt(lam, rho, omega, min_damping, max_damping)
+      moved = (model_change < 0) | ~jnp.isfinite(new_loss)
       step = jax.tree.map(lambda s: jnp.where(jnp.isfinite(new_loss), s,
                                               jnp.zeros_like(s)), step)
-      return jnp.clip(new_lam, min_damping, max_damping), rho, step
+      return jnp.where(moved, new_lam, lam), rho, step
 
     new_lam, rho, step = jax.lax.cond(
         kstate.count % interval == 0, adapt,

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Hashable, Mapping, Sequence
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import chex
@@ -79,35 +80,44 @@ from kfac_jax_lite import _health_state
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite import tagging
+from kfac_jax_lite._dtypes import float_dtype
 from kfac_jax_lite._safeguards import clip, guard, inner_product  # noqa: F401
 
 
 class KfacState(NamedTuple):
-  """The state of ``kfac``: step count, block states and safeguard counters."""
+  """The state of ``kfl.kfac``: step count, block states and safeguard
+  counters (a pytree of arrays; checkpoint it like any other).
 
-  count: Any  # int32: updates so far.
-  key: Any  # PRNG key for the sampled estimators.
-  blocks: dict  # layer name -> block state (leading stack axis if stacked).
-  num_bad_grads: Any  # int32: updates skipped for non-finite gradients.
-  num_bad_updates: Any  # int32: preconditioned updates replaced by the gradient.
-  num_bad_damping: Any  # int32: updates skipped for a damping that is not > 0.
-  num_nonfinite_params: Any  # int32: updates called with non-finite params.
-  # Issue 24: what ``kfl.health`` needs to tell a run that blows up its
-  # parameters or stalls from one that trains (``_health_state``).
+  Attributes:
+    count: int32, the number of ``update`` calls so far.
+    key: the PRNG key the sampled estimators draw from under ``batch=``
+      (split at every update; from ``seed``).
+    blocks: ``{layer name: block state}`` (``kfl.blocks``; a leading stack
+      axis for a layer stacked along ``lax.scan``): the factors' EMAs and
+      their cached decompositions.
+    num_bad_grads: int32, updates skipped (a zero update) for non-finite
+      gradients.
+    num_bad_updates: int32, preconditioned updates that were not finite and
+      were replaced by the gradient.
+    num_bad_damping: int32, updates skipped for a damping that is not
+      positive and finite.
+    num_nonfinite_params: int32, updates called with non-finite parameters.
+    health: the running summaries ``kfl.health`` reads to tell a run that
+      diverges or stalls from one that trains (``_health_state``).
+    stats_due: int32, 1 when the next update accumulates statistics
+      (``count % cov_every == 0``), else 0 (an int, not a bool, so that
+      arithmetic over the state's leaves works); ``kfl.stats_due`` reads it.
+  """
+
+  count: Any
+  key: Any
+  blocks: dict
+  num_bad_grads: Any
+  num_bad_updates: Any
+  num_bad_damping: Any
+  num_nonfinite_params: Any
   health: Any  # _health_state.HealthState
-  # int32, 1 when the next update accumulates statistics (``count %
-  # cov_every == 0``), else 0 (an int, not a bool, so that arithmetic over
-  # the state's leaves works); ``kfl.stats_due`` reads it.
   stats_due: Any
-
-
-def float_dtype(tree):
-  """The dtype the curvature is kept in: the floating leaves' widest, at
-  least float32 (bf16/fp16 parameters keep float32 factors; float64 ones,
-  under ``jax_enable_x64``, float64 ones)."""
-  return jnp.result_type(jnp.float32, *[
-      x.dtype for x in jax.tree.leaves(tree)
-      if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)])
 
 
 def _per_slice(layer, fn):
@@ -220,7 +230,8 @@ def statistics(tagged, params, batch, key, states, *, estimation,
   ``stats_fraction`` of ``batch`` (``estimators.estimate``) and the loss
   there, averaged over ``axis_name`` when given."""
   est = estimators.estimate(
-      tagged, params, estimators.stats_slice(batch, stats_fraction), key,
+      tagged, params, estimators.stats_slice(
+          batch, stats_fraction, examples=tagged.examples), key,
       estimation=estimation, num_samples=num_samples, states=states)
   out = (est.stats, est.loss)
   return jax.lax.pmean(out, axis_name) if axis_name else out
@@ -410,17 +421,11 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     seed: the seed of the PRNG key (in the state) of the sampled estimators
       under ``batch=``.
     inverse_method: how a refresh computes the π-damped inverses
-      ``(C + d·I)⁻¹`` (``precon_power=-1``): ``"gauss_jordan"`` (blocked
-      Gauss–Jordan elimination, XLA matrix products only, ``2n³`` flops),
-      ``"cholesky"`` (LAPACK/cuSOLVER ``L Lᵀ``, then ``L⁻ᵀL⁻¹``),
-      ``"newton_schulz"`` (``X ← X + X(I − (C + d·I)X)`` from the previous
-      inverse, Gauss–Jordan when that does not converge), ``"schur"``
-      (one Schur-complement split of matrices above 512 into two
-      Gauss–Jordan halves and large products: faster than
-      ``"gauss_jordan"`` on CPU at those sizes, and a larger program),
-      ``"eigh"``;
-      ``"auto"``: ``"gauss_jordan"`` on CPU, ``"cholesky"`` elsewhere. All
-      are exact to rounding (``kfl.factor``). Other powers and
+      ``(C + d·I)⁻¹`` (``precon_power=-1``): ``"auto"`` (``"gauss_jordan"``
+      on CPU, ``"cholesky"`` elsewhere: ``kfl.factor.AUTO_METHODS``) or a
+      name of ``kfl.factor.INVERSES``, where the methods
+      (``"gauss_jordan"``, ``"schur"``, ``"cholesky"``,
+      ``"newton_schulz"``, ``"eigh"``) are described. Other powers and
       ``damping_mode="exact"`` use eigendecompositions.
 
   Returns:
@@ -431,10 +436,72 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     ``stats_fraction``) or ``stats=`` (an ``Estimate.stats``); ``damping``
     overrides the configured one for that call (see ``damping``);
     ``loss`` (``Estimate.loss``; else ``batch=``'s statistics pass's) is
-    kept for ``kfl.health`` (``_health_state``). ``tx.update.layers(
-    params)``: the ``tagging.TaggedLoss`` it uses (one trace per params
-    signature, with the blocks), shared by ``kfl.kfac_optimizer``.
+    kept for ``kfl.health`` (``_health_state``). The layers and blocks it
+    uses: ``kfl.describe(loss_fn, params, batch, ...)`` with the same
+    options prints them, ``kfac_with_layers`` returns them with the
+    transform.
+
+  References:
+    Martens, J. and Grosse, R. (2015). Optimizing neural networks with
+      Kronecker-factored approximate curvature. ICML. arXiv:1503.05671.
+    Grosse, R. and Martens, J. (2016). A Kronecker-factored approximate
+      Fisher matrix for convolution layers. ICML. arXiv:1602.01407.
+    Ba, J., Grosse, R. and Martens, J. (2017). Distributed second-order
+      optimization using Kronecker-factored approximations. ICLR.
+    Eschenhagen, R., Immer, A., Turner, R. E., Schneider, F. and Hennig, P.
+      (2023). Kronecker-factored approximate curvature for modern neural
+      network architectures. NeurIPS. arXiv:2311.00636.
   """
+  options = dict(locals())  # First statement: exactly the arguments.
+  del options["loss_fn"], options["example_batch"]
+  return _kfac(loss_fn, example_batch, **options).transform
+
+
+class KfacWithLayers(NamedTuple):
+  """``kfac_with_layers``' result: the transform and its detection."""
+
+  transform: optax.GradientTransformationExtraArgs
+  # layers(params, batch=None) -> tagging.TaggedLoss, with the blocks.
+  layers: Callable
+
+
+def kfac_with_layers(loss_fn: Callable, example_batch,
+                     **options) -> KfacWithLayers:
+  """``kfac(loss_fn, example_batch, **options)`` and the detection it uses.
+
+  For code built on ``kfac`` that needs its layers (``kfl.kfac_optimizer``'s
+  quadratic model reads the registered losses; ``kfl.eigen_adam`` its
+  blocks): the transform and ``layers`` share one trace of ``loss_fn`` per
+  params and batch signature. (A returned transform wrapped in
+  ``optax.chain`` or elsewhere keeps working; ``layers`` is a plain
+  function, not an attribute of it.)
+
+  Args:
+    loss_fn: as for ``kfac``.
+    example_batch: as for ``kfac``.
+    **options: ``kfac``'s keyword arguments (its defaults otherwise).
+
+  Returns:
+    ``KfacWithLayers(transform, layers)``: ``transform`` is
+    ``kfac(loss_fn, example_batch, **options)``; ``layers(params,
+    batch=None)`` the ``tagging.TaggedLoss`` (with its blocks) it uses for
+    ``params`` and ``batch`` (None: the example batch).
+  """
+  defaults = {name: p.default
+              for name, p in inspect.signature(kfac).parameters.items()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY}
+  unknown = sorted(set(options) - set(defaults))
+  if unknown:
+    raise TypeError(f"kfac() got unexpected keyword arguments {unknown}")
+  return _kfac(loss_fn, example_batch, **{**defaults, **options})
+
+
+def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
+          cov_decay, cov_every, inverse_every, damping_mode, stats_fraction,
+          precon_power, norm_constraint, blocks, exclude, weight_sharing,
+          axis_name, has_aux, seed, inverse_method, example_axis
+          ) -> KfacWithLayers:
+  """``kfac_with_layers`` with every option given (``kfac``'s body)."""
   estimators.check_estimation(estimation, num_samples)
   fac.check_inverse_method(inverse_method)
   estimators.check_stats_fraction(stats_fraction)
@@ -475,7 +542,8 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     estimators.check_has_loss(tagged_for(params), estimation, "kfl.kfac")
     refused = _first_step.refusal(
         tagged_for(params), params, estimators.stats_slice(
-            example_batch, stats_fraction), estimation, num_samples)
+            example_batch, stats_fraction,
+            examples=tagged_for(params).examples), estimation, num_samples)
     if refused:
       raise ValueError("kfl.kfac: the first step would fail on the example "
                        f"batch (see kfl.describe): {refused}")
@@ -505,7 +573,8 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
                          f"from the example batch's {tagged.batch_treedef}")
       tagged = tagged_for(params, batch)
       if stats is None:
-        estimators.stats_batch_size(batch, stats_fraction, "kfac.update")
+        estimators.stats_batch_size(batch, stats_fraction, "kfac.update",
+                                    tagged.examples)
     _check_axis_name(axis_name, params, stats if stats is not None else batch)
     layers = tagged.layers
     key, stats_key = jax.random.split(state.key)
@@ -547,5 +616,5 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
                                 damping_ok, scale < 1, seen, dtype))
     return jax.tree.unflatten(treedef, out), new_state
 
-  update_fn.layers = tagged_for
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return KfacWithLayers(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn), tagged_for)

@@ -46,6 +46,7 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kfac_jax_lite import _dtypes
 from kfac_jax_lite import _kron
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
@@ -105,9 +106,9 @@ def gram(x, y):
   Formed as one 2-D product (``"ni,nj->ij"`` on the flattened rows):
   contracted over several axes at once (``"snri,snrj->ij"``), XLA:CPU
   first transposes an operand into a copy, a kernel of its own that also
-  takes in the elementwise work feeding it; on the MNIST autoencoder those
-  copies were 17% of a K-FAC step. In 2-D both operands are read as they
-  are.
+  takes in the elementwise work feeding it. In 2-D both operands are read
+  as they are (the measurement: ``benchmarks/README.md``,
+  ``profile_step.py``).
   """
   return jnp.einsum("ni,nj->ij", x.reshape(-1, x.shape[-1]),
                     y.reshape(-1, y.shape[-1]))
@@ -115,8 +116,7 @@ def gram(x, y):
 
 def stats_dtype(*arrays):
   """Statistics are at least float32 (bf16/fp16 activations included)."""
-  return jnp.result_type(jnp.float32, *[
-      a.dtype for a in arrays if jnp.issubdtype(a.dtype, jnp.floating)])
+  return _dtypes.float_dtype(arrays)
 
 
 def split_samples(cotangents, expected_ndim, where):
@@ -226,7 +226,7 @@ class KroneckerBlock(Block):
   def _apply(self, v, fn):
     dtypes = [jnp.asarray(x).dtype for x in v]
     m = self._mat(v)
-    return self._out(fn(m.astype(jnp.result_type(m.dtype, jnp.float32))), dtypes)
+    return self._out(fn(m.astype(_dtypes.float_dtype(m))), dtypes)
 
   def multiply(self, state, v):
     return self._apply(v, lambda m: _kron.multiply(state, m, self.renorm_coeff))
@@ -291,7 +291,7 @@ class FlatBlock(Block):
     _layout.check_params(self, v, self.param_shapes)
     dtypes = [jnp.asarray(x).dtype for x in v]
     flat = _layout.flatten(v)
-    out = fn(flat.astype(jnp.result_type(flat.dtype, jnp.float32)))
+    out = fn(flat.astype(_dtypes.float_dtype(flat)))
     return tuple(x.astype(d) for x, d in zip(
         _layout.unflatten(out, self.param_shapes), dtypes))
 

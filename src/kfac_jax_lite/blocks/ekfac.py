@@ -59,6 +59,11 @@ Statistics depend on the state (the basis they are measured in):
 state they will be ``update``-d into, as ``kfl.kfac`` passes it.
 ``use_cache`` is accepted and changes nothing: ``F`` is always defined by
 the cached basis and the current ``s``.
+
+References:
+  George, T., Laurent, C., Bouthillier, X., Ballas, N. and Vincent, P.
+    (2018). Fast approximate natural gradient descent in a Kronecker-factored
+    eigenbasis. NeurIPS. arXiv:1806.03884.
 """
 from __future__ import annotations
 
@@ -71,6 +76,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import block_diag
 
 from kfac_jax_lite import _kron
+from kfac_jax_lite import _dtypes
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
 from kfac_jax_lite.blocks import base
@@ -228,7 +234,7 @@ class EigenCorrected(base.Block):
     _layout.check_params(self, v, self.param_shapes)
     dtypes = [jnp.asarray(x).dtype for x in v]
     m = self.layout.to_mat(tuple(v))
-    dtype = jnp.result_type(m.dtype, jnp.float32)
+    dtype = _dtypes.float_dtype(m)
     qa = state.a.cache.eigvecs.astype(dtype)
     qg = state.g.cache.eigvecs.astype(dtype)
     s = state.scale.cache.eigvals.astype(dtype)

@@ -79,6 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_jax_lite import _dtypes
 from kfac_jax_lite import _kron
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
@@ -286,7 +287,7 @@ class SeriesDense(base.Block):
     must be -1 (``NotImplementedError`` otherwise); ``method`` is not used
     (the inverse roots come from eigendecompositions)."""
     del method
-    _check_exp(exp)
+    _check_precon_power(exp)
     da, dg = self._damping(state, damping)
     val = fac.factor_value
     qa = _option_quantities(self.option, val(state.a0), val(state.a1), da)
@@ -314,7 +315,7 @@ class SeriesDense(base.Block):
       state = self.refresh(state, damping)
     dtypes = [jnp.asarray(x).dtype for x in v]
     m = self.layout.to_mat(tuple(v))
-    dtype = jnp.result_type(m.dtype, jnp.float32)
+    dtype = _dtypes.float_dtype(m)
     c = jax.tree.map(lambda x: x.astype(dtype),
                      (state.a0.cache, state.a1.cache, state.g0.cache,
                       state.g1.cache))
@@ -335,7 +336,7 @@ class SeriesDense(base.Block):
     return (y - _t(pa) @ y @ pg) / self.num_steps
 
   def multiply_matpower(self, state, v, damping, exp, use_cache=False):
-    _check_exp(exp)
+    _check_precon_power(exp)
     return self.multiply_inverse(state, v, damping, use_cache)
 
   def multiply(self, state, v):
@@ -358,11 +359,12 @@ _ONLY_INVERSE = ("{self!r}: a series block provides only the inverse "
                  "FullyConnectedSeriesFB did; {what} is not available")
 
 
-def _check_exp(exp):
-  if not (isinstance(exp, (int, float, np.floating)) and float(exp) == -1.0):
+def _check_precon_power(precon_power):
+  if not (isinstance(precon_power, (int, float, np.floating))
+          and float(precon_power) == -1.0):
     raise NotImplementedError(
         f"series blocks provide only the inverse (power -1, "
-        f"precon_power=-1.0), got power {exp!r}")
+        f"precon_power=-1.0), got power {precon_power!r}")
 
 
 def _keep(f, new, ok, step):

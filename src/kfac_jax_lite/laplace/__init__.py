@@ -24,6 +24,15 @@ a kernel with its bias, a norm's scale with its shift, a fallback group;
 
 Parameters are indexed like ``jax.flatten_util.ravel_pytree(params)``
 wherever a flat vector or matrix appears (``dense_precision``).
+
+References:
+  MacKay, D. J. C. (1992). A practical Bayesian framework for
+    backpropagation networks. Neural Computation 4(3).
+  Ritter, H., Botev, A. and Barber, D. (2018). A scalable Laplace
+    approximation for neural networks. ICLR.
+  Daxberger, E., Kristiadi, A., Immer, A., Eschenhagen, R., Bauer, M. and
+    Hennig, P. (2021). Laplace redux: effortless Bayesian deep learning.
+    NeurIPS. arXiv:2106.14806.
 """
 from kfac_jax_lite.laplace._evidence import (
     log_marginal_likelihood, optimize_prior_precision)

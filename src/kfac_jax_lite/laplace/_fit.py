@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_jax_lite import _dtypes
 from kfac_jax_lite import blocks as kfl_blocks
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor
@@ -189,7 +190,7 @@ def _batch_step(tagged, estimate, meta, estimation, num_samples):
     _, n = _columns.batch_axes(batch)
     out = tagged.loss_fn(params, batch)
     loss = out[0] if tagged.has_aux else out
-    return loss, [], jnp.full((n,), 1.0 / n, jnp.result_type(loss, jnp.float32))
+    return loss, [], jnp.full((n,), 1.0 / n, _dtypes.float_dtype(loss))
 
   def columns(params, batch, key, leaves, c_elems, cbar):
     cols = _columns.example_columns(

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_jax_lite import _dtypes
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerSlot:
@@ -173,4 +175,4 @@ def leaf_dtypes(post: Posterior):
 
 def compute_dtype(post: Posterior):
   """The dtype of the posterior's arithmetic: its mean's, at least float32."""
-  return jnp.result_type(jnp.float32, *leaf_dtypes(post))
+  return _dtypes.float_dtype(leaf_dtypes(post))

@@ -244,18 +244,6 @@ def tail_step(eqn, values):
                     for p, _ in t.terms))
 
 
-def exit_terms(eqn, values, penalty_id):
-  """A scalar ``Derived`` combined with other values: its ``k`` in the
-  result (1 for ``+``, -1 as the subtrahend, None otherwise)."""
-  name = eqn.primitive.name
-  i = next(i for i, v in enumerate(values) if isinstance(v, Derived))
-  if name == "add" or (name == "sub" and i == 0):
-    return ((penalty_id, 1.0),)
-  if name == "sub":
-    return ((penalty_id, -1.0),)
-  return ((penalty_id, None),)
-
-
 class PenaltyWalk:
   """The graph walk's (``_analysis.Analysis``) handling of penalty values:
   it keeps ``self.penalties`` and reports through ``self._opaque``."""
