@@ -33,7 +33,7 @@ import dataclasses
 import fnmatch
 
 from kfac_jax_lite import blocks as B
-from kfac_jax_lite.tagging._kinds import KINDS
+from kfac_jax_lite.tagging import _kinds
 
 SERIES_CHOICES = ("series1", "series2", "kron_indep")
 CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal", "ekfac"
@@ -45,7 +45,7 @@ def find_override(overrides, paths, kind):
   if not overrides:
     return None
   for pattern, choice in overrides.items():
-    if pattern in KINDS:
+    if pattern in _kinds.REGISTRY:
       continue
     if any(p == pattern or fnmatch.fnmatchcase(p, pattern) for p in paths):
       return choice
