@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import optax
 
 from kfac_jax_lite.blocks import Stacked
+from kfac_jax_lite import _block_policy
 from kfac_jax_lite import _detection
 from kfac_jax_lite import _first_step
 from kfac_jax_lite import _health_state
@@ -453,8 +454,9 @@ def kfac(loss_fn: Callable, example_batch, *, damping=DEFAULT_DAMPING,
         example_batch if batch is None else batch,
         has_aux=has_aux, exclude=exclude, example_axis=example_axis)
     if tagged not in with_blocks:
-      with_blocks[tagged] = tagged.with_blocks(
-          blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
+      with_blocks[tagged] = _block_policy.with_blocks(
+          tagged, blocks, damping_mode=damping_mode,
+          weight_sharing=weight_sharing)
     if batch is not None:
       _detection.check_same_layers(tagged_for(params), with_blocks[tagged])
     return with_blocks[tagged]

@@ -1,7 +1,6 @@
 """``find_layers``: trace, detect, and the rewritten loss."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import warnings
 from typing import Any, Callable
@@ -13,7 +12,6 @@ import numpy as np
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite import losses
 from kfac_jax_lite.tagging import _analysis
-from kfac_jax_lite.tagging import _blocks
 from kfac_jax_lite.tagging import _examples
 from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
@@ -211,13 +209,20 @@ class TaggedLoss:
   def with_blocks(self, overrides=None, *, damping_mode="pi",
                   weight_sharing="expand") -> "TaggedLoss":
     """The same detection (no re-trace) with every layer's block chosen by
-    ``make_blocks(layers, overrides, damping_mode=, weight_sharing=)``."""
-    blocks = _blocks.make_blocks(self.layers, overrides,
-                                 damping_mode=damping_mode,
-                                 weight_sharing=weight_sharing)
-    new = copy.copy(self)
-    new.layers = tuple(dataclasses.replace(l, block=b)
-                       for l, b in zip(self.layers, blocks))
+    the block policy (``kfac_jax_lite._block_policy.with_blocks``)."""
+    from kfac_jax_lite import _block_policy  # Above tagging: at call time.
+    return _block_policy.with_blocks(self, overrides,
+                                     damping_mode=damping_mode,
+                                     weight_sharing=weight_sharing)
+
+  def replace(self, **changes) -> "TaggedLoss":
+    """A new ``TaggedLoss`` with the attributes ``changes`` (e.g.
+    ``layers``) and this one's others; this one is left as it is."""
+    unknown = sorted(set(changes) - set(vars(self)))
+    if unknown:
+      raise TypeError(f"TaggedLoss has no attribute {unknown}")
+    new = object.__new__(type(self))
+    new.__dict__.update(vars(self), **changes)
     return new
 
   @property

@@ -15,7 +15,7 @@ are everything the library does differently per kind:
 * ``param_shapes`` — the parameters of its block, in block order;
 * ``default_block(damping_mode=, weight_sharing=)`` and
   ``block_for(choice, default)`` / ``with_options(default, options)`` —
-  the curvature block for a ``blocks=`` choice (see ``tagging._blocks``);
+  the curvature block for a ``blocks=`` choice (see ``kfac_jax_lite._block_policy``);
 * ``data(uses, captures, cotangents, stacked)`` — the captured layer
   inputs and output cotangents in the layout its blocks' ``compute_stats``
   reads (``LayerData.inputs``/``.cotangents``);

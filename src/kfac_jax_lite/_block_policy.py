@@ -1,8 +1,12 @@
-"""``make_blocks``: the curvature block of every detected layer.
+"""The block policy: the curvature block of every detected layer.
 
-Detection (``find_layers``) finds layers; this chooses their curvature, so
-the damping and sharing policy never reaches the graph walk and changing it
-does not re-trace. Overrides (``blocks=``) map a parameter path (an exact
+Detection (``tagging.find_layers``) finds layers and returns them without
+blocks (``Layer.block`` None); this module, above both ``tagging`` and
+``blocks``, chooses their curvature (``make_blocks``) and gives the
+detection with them (``with_blocks``: a new ``TaggedLoss`` of new
+``Layer`` records, the detection itself unchanged), so the damping and
+sharing policy never reaches the graph walk and changing it does not
+re-trace. Overrides (``blocks=``) map a parameter path (an exact
 path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
 (``"dense"``, ``"conv"``, ``"embedding"``, ``"scale_and_shift"``,
 ``"fallback"``) to one of:
@@ -62,6 +66,18 @@ def make_blocks(layers, overrides=None, *, damping_mode="pi",
   """
   return tuple(_block(l, find_override(overrides, l.params, l.kind),
                       damping_mode, weight_sharing) for l in layers)
+
+
+def with_blocks(tagged, overrides=None, *, damping_mode="pi",
+                weight_sharing="expand"):
+  """``tagged`` (a ``TaggedLoss``) with every layer's block chosen by
+  ``make_blocks(tagged.layers, overrides, damping_mode=, weight_sharing=)``:
+  a new ``TaggedLoss`` sharing the detection (no re-trace), whose layers are
+  new ``Layer`` records; ``tagged`` is left as it is."""
+  chosen = make_blocks(tagged.layers, overrides, damping_mode=damping_mode,
+                       weight_sharing=weight_sharing)
+  return tagged.replace(layers=tuple(
+      dataclasses.replace(l, block=b) for l, b in zip(tagged.layers, chosen)))
 
 
 def _block(layer, override, damping_mode, weight_sharing):
