@@ -170,6 +170,75 @@ class Block(abc.ABC):
   def state_bytes(self):
     return state_bytes(self)
 
+  @property
+  def one_slice(self):
+    """The block of one slice of a scan-stacked layer: the block itself
+    (``Stacked``: the block it maps over its stack)."""
+    return self
+
+  # The state's bookkeeping (one block; ``Stacked`` maps it over its stack).
+  def caches(self, state):
+    """The ``FactorCache``s of ``state``, in its structure."""
+    return jax.tree.map(lambda f: f.cache if _is_factor(f) else f, state,
+                        is_leaf=_is_factor)
+
+  def with_caches(self, state, caches):
+    """``state`` with its factors' caches replaced by ``caches`` (the
+    structure ``caches`` gives)."""
+    return jax.tree.map(
+        lambda f, c: f._replace(cache=c) if _is_factor(f) else f, state,
+        caches, is_leaf=_is_factor)
+
+  def has_statistics(self, state):
+    """Whether every factor has received statistics (``FactorState.weight
+    > 0``): before that a factor reads as zero."""
+    return has_statistics(state)
+
+  def is_ready(self, state):
+    """Whether every factor has a cached decomposition of real statistics
+    (``FactorState.cache.step >= 0``); a block that is not ready passes its
+    gradient through unpreconditioned (``precondition``)."""
+    return is_ready(state)
+
+  def refresh_caches(self, state, damping, exp=-1.0, step=0, method="auto"):
+    """The caches after ``refresh(state, damping, exp, step, method)``; a
+    block whose factors have no statistics yet keeps its caches (it stays
+    not ready) rather than cache a decomposition of the damping alone."""
+    new = self.caches(self.refresh(state, damping, exp, step=step,
+                                   method=method))
+    old = self.caches(state)
+    ok = self.has_statistics(state)
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+  def precondition(self, state, vectors, damping, exp):
+    """``(F + λI)^exp v`` from the cache; ``vectors`` as they are while the
+    block is not ready (``is_ready``)."""
+    u = self.multiply_matpower(state, vectors, damping, exp, use_cache=True)
+    ready = self.is_ready(state)
+    return tuple(jnp.where(ready, x, y.astype(x.dtype))
+                 for x, y in zip(u, vectors))
+
+
+def _is_factor(x):
+  return isinstance(x, fac.FactorState)
+
+
+def _factors(state):
+  return [f for f in jax.tree.leaves(state, is_leaf=_is_factor)
+          if _is_factor(f)]
+
+
+def has_statistics(state):
+  """Whether every factor of one (unstacked) block state has received
+  statistics (``FactorState.weight > 0``)."""
+  return jnp.all(jnp.stack([f.weight > 0 for f in _factors(state)]))
+
+
+def is_ready(state):
+  """Whether every factor of one (unstacked) block state has a cached
+  decomposition of real statistics (``FactorState.cache.step >= 0``)."""
+  return jnp.all(jnp.stack([f.cache.step >= 0 for f in _factors(state)]))
+
 
 class KroneckerBlock(Block):
   """``F = c · blockdiag_g(A_g ⊗ G_g)`` over the layout's ``[g, a, b]`` view.
