@@ -150,8 +150,9 @@ autodiff of its primal implementation in the rewritten loss.
 """
 from kfac_jax_lite.tagging._describe import Row, Table, describe
 from kfac_jax_lite.tagging._layers import Layer
+from kfac_jax_lite.tagging._loss_tags import LossTag, find_loss_tags
 from kfac_jax_lite.tagging._tagged import (
-    LossTag, TaggedLoss, batch_size, find_layers, find_loss_tags, path_name)
+    TaggedLoss, batch_size, find_layers, path_name)
 from kfac_jax_lite.tagging._vma import tree_vma as varying_axes
 
 
