@@ -34,6 +34,15 @@ curvature):
   ``L⁻ᵀ v`` for a square-root factor ``L Lᵀ`` of the damped block.
 * ``to_dense(state)`` — ``F`` as an explicit matrix.
 
+``Block`` also gives the state bookkeeping the optimizer reads, from the
+factors of a state (``FactorState``): ``caches(state)`` /
+``with_caches(state, caches)`` (the ``FactorCache``s alone, which a refresh
+replaces), ``has_statistics(state)``, ``is_ready(state)`` (a cached
+decomposition of real statistics), ``refresh_caches(...)`` (``refresh``'s
+caches, kept while there are no statistics), ``precondition(state, v,
+damping, exp)`` (``multiply_matpower`` from the cache; ``v`` itself while
+not ready) and ``one_slice`` (the block of one slice of a stacked layer).
+
 ``Stacked(block, n)`` (``blocks.stacked``) is the same interface for ``n``
 independent copies of a block (a layer stacked along ``lax.scan``).
 """
