@@ -5,7 +5,12 @@ nested jaxprs) and returns the layer *uses* it recognised and the *opaque*
 uses (a parameter consumed by anything that is not a layer pattern). A use
 knows where to capture its input and where to add its output probe, as a key
 path of equation indices through the nested jaxprs; ``_interpret`` replays
-the jaxpr with those keys.
+the jaxpr with those keys. The walk follows parameter views through layout
+ops, slices, concatenations and nested jaxprs; an equation that consumes
+one is recognised by the registered layer kinds that handle its primitive
+(``_kinds.recognisers``, each kind's ``LayerSpec.recognise``), which record
+its use with ``Analysis._record`` and the shared matchers of
+``_matching``/``_joined``.
 """
 from __future__ import annotations
 
