@@ -6,7 +6,10 @@ blocks (``Layer.block`` None); this module, above both ``tagging`` and
 detection with them (``with_blocks``: a new ``TaggedLoss`` of new
 ``Layer`` records, the detection itself unchanged), so the damping and
 sharing policy never reaches the graph walk and changing it does not
-re-trace. Overrides (``blocks=``) map a parameter path (an exact
+re-trace. What a layer of each kind gets is its kind's to say (its spec's
+``default_block``, ``block_for`` and ``with_options``, in
+``tagging/_kinds/<kind>.py``), so a new kind brings its blocks with it;
+this module applies the overrides and the stacking. Overrides (``blocks=``) map a parameter path (an exact
 path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
 (``"dense"``, ``"conv"``, ``"embedding"``, ``"scale_and_shift"``,
 ``"fallback"``) to one of:
