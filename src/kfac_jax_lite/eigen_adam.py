@@ -134,8 +134,9 @@ class EigenAdamState(NamedTuple):
 
 
 def inner_block(block):
-  """The block of one slice: ``block.block`` for a ``Stacked`` one."""
-  return block.block if isinstance(block, B.Stacked) else block
+  """The block of one slice: ``block.block`` for a ``Stacked`` one
+  (``Block.one_slice``)."""
+  return block.one_slice
 
 
 def per_slice(layer, fn):
@@ -243,16 +244,6 @@ def rebase_moments(m, v, old, new, nu_rebase="project"):
   if nu_rebase == "project":
     v = to_basis(v, None if ra is None else ra ** 2, rg ** 2)
   return m, v
-
-
-def _has_statistics(block_state):
-  return jnp.all(jnp.stack([f.weight > 0 for f in jax.tree.leaves(
-      block_state, is_leaf=_is_factor) if _is_factor(f)]))
-
-
-def _is_ready(block_state):
-  return jnp.all(jnp.stack([f.cache.step >= 0 for f in jax.tree.leaves(
-      block_state, is_leaf=_is_factor) if _is_factor(f)]))
 
 
 def shampoo_stats(block, vectors):
@@ -428,8 +419,8 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
     def refresh_due(states, mu_b, nu_b):
       """New bases where due, the moments carried into them."""
       due = (state.count % refresh_every == 0) & (state.count > 0)
-      needs = {l.name: _has_statistics(states[l.name])
-               & (due | ~_is_ready(states[l.name])) for l in layers}
+      needs = {l.name: l.block.has_statistics(states[l.name])
+               & (due | ~l.block.is_ready(states[l.name])) for l in layers}
 
       def run(args):
         states, mu_b, nu_b = args
