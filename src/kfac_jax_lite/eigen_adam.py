@@ -136,7 +136,7 @@ class EigenAdamState(NamedTuple):
 def inner_block(block):
   """The block of one slice: ``block.block`` for a ``Stacked`` one
   (``Block.one_slice``)."""
-  return block.one_slice
+  return B.as_block(block).one_slice
 
 
 def per_slice(layer, fn):
@@ -419,8 +419,9 @@ def eigen_adam(loss_fn: Callable, example_batch, *, b1=0.9, b2=0.999,
     def refresh_due(states, mu_b, nu_b):
       """New bases where due, the moments carried into them."""
       due = (state.count % refresh_every == 0) & (state.count > 0)
-      needs = {l.name: l.block.has_statistics(states[l.name])
-               & (due | ~l.block.is_ready(states[l.name])) for l in layers}
+      needs = {l.name: B.as_block(l.block).has_statistics(states[l.name])
+               & (due | ~B.as_block(l.block).is_ready(states[l.name]))
+               for l in layers}
 
       def run(args):
         states, mu_b, nu_b = args

@@ -108,6 +108,11 @@ def float_dtype(tree):
       if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)])
 
 
+def _block(layer):
+  """``layer``'s block as a ``Block`` (``blocks.base.as_block``)."""
+  return blocks_base.as_block(layer.block)
+
+
 def has_statistics(block_state):
   """Whether every factor of one (unstacked) block has received statistics
   (``FactorState.weight > 0``): before that a factor reads as zero
@@ -216,7 +221,7 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
   Under ``axis_name`` each device refreshes only its share (block ``i`` on
   device ``i mod n``) and the caches are shared with a ``psum``.
   """
-  needs = [damping_ok & (due | ~l.block.is_ready(states[l.name]))
+  needs = [damping_ok & (due | ~_block(l).is_ready(states[l.name]))
            for l in layers]
   if not layers:
     return states
@@ -224,7 +229,7 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
   def run(states):
     out = {}
     for i, (l, need) in enumerate(zip(layers, needs)):
-      st, block = states[l.name], l.block
+      st, block = states[l.name], _block(l)
       fn = functools.partial(block.refresh_caches, damping=damping,
                              exp=precon_power, step=step,
                              method=inverse_method)
@@ -240,10 +245,10 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
     return out
 
   def keep(states):
-    return {l.name: l.block.caches(states[l.name]) for l in layers}
+    return {l.name: _block(l).caches(states[l.name]) for l in layers}
 
   caches = jax.lax.cond(jnp.any(jnp.stack(needs)), run, keep, states)
-  blocks = {l.name: l.block for l in layers}
+  blocks = {l.name: _block(l) for l in layers}
   return {name: (blocks[name].with_caches(st, caches[name])
                  if name in caches else st)
           for name, st in states.items()}
@@ -256,7 +261,8 @@ def precondition(layers, states, grad_leaves, damping, precon_power):
   for l in layers:
     vectors = tuple(grad_leaves[i].reshape(s)
                     for i, s in zip(l.leaves, l.block.param_shapes))
-    u = l.block.precondition(states[l.name], vectors, damping, precon_power)
+    u = _block(l).precondition(states[l.name], vectors, damping,
+                               precon_power)
     for i, x in zip(l.leaves, u):
       out[i] = x.reshape(grad_leaves[i].shape).astype(grad_leaves[i].dtype)
   return out

@@ -228,6 +228,42 @@ class Block(abc.ABC):
                  for x, y in zip(u, vectors))
 
 
+def as_block(block):
+  """``block`` as a ``Block``: itself, or, for an object that implements
+  the interface (``check_block``) without subclassing ``Block``, an
+  adapter whose bookkeeping methods (``is_ready``, ``refresh_caches``,
+  ``precondition``, ...) call that object's own ``refresh`` and
+  ``multiply_matpower``; its ``one_slice`` is the object."""
+  return block if isinstance(block, Block) else _Adapted(block)
+
+
+class _Adapted(Block):
+  """A ``Block`` view of a duck-typed block (see ``as_block``)."""
+
+  def __init__(self, wrapped):
+    self.wrapped = wrapped
+
+  def __getattr__(self, attr):
+    return getattr(self.__dict__["wrapped"], attr)
+
+  @property
+  def consumes(self):
+    return self.wrapped.consumes
+
+  @property
+  def one_slice(self):
+    return self.wrapped
+
+  def compute_stats(self, *args, weights=None):
+    return self.wrapped.compute_stats(*args, weights=weights)
+
+  def layer_stats(self, data, state=None):
+    return self.wrapped.layer_stats(data, state)
+
+  def init(self, dtype=jnp.float32):
+    return self.wrapped.init(dtype)
+
+
 def _is_factor(x):
   return isinstance(x, fac.FactorState)
 

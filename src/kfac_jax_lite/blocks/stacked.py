@@ -92,29 +92,29 @@ class Stacked(base.Block):
     return self.block
 
   def caches(self, state):
-    return jax.vmap(self.block.caches)(state)
+    return jax.vmap(base.as_block(self.block).caches)(state)
 
   def with_caches(self, state, caches):
-    return jax.vmap(self.block.with_caches)(state, caches)
+    return jax.vmap(base.as_block(self.block).with_caches)(state, caches)
 
   def has_statistics(self, state):
     """Whether every slice has statistics."""
-    return jnp.all(jax.vmap(self.block.has_statistics)(state))
+    return jnp.all(jax.vmap(base.as_block(self.block).has_statistics)(state))
 
   def is_ready(self, state):
     """Whether every slice is ready."""
-    return jnp.all(jax.vmap(self.block.is_ready)(state))
+    return jnp.all(jax.vmap(base.as_block(self.block).is_ready)(state))
 
   def refresh_caches(self, state, damping, exp=-1.0, step=0, method="auto"):
     """Each slice's ``refresh_caches`` (a slice without statistics keeps
     its caches)."""
-    return jax.vmap(lambda st: self.block.refresh_caches(
+    return jax.vmap(lambda st: base.as_block(self.block).refresh_caches(
         st, damping, exp, step, method))(state)
 
   def precondition(self, state, vectors, damping, exp):
     """Each slice's ``precondition`` (a slice that is not ready passes its
     vectors through)."""
-    return jax.vmap(lambda st, x: self.block.precondition(
+    return jax.vmap(lambda st, x: base.as_block(self.block).precondition(
         st, x, damping, exp))(state, tuple(vectors))
 
   def to_dense(self, state):

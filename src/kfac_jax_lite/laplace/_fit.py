@@ -112,7 +112,7 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
         damping_mode="exact")
     tagged = estimate.tagged
     for layer in tagged.layers:
-      _check_block(layer.name, layer.block.one_slice)
+      _check_block(layer.name, kfl_blocks.as_block(layer.block).one_slice)
   estimators.check_has_loss(tagged, estimation, "kfl.laplace.fit")
   meta = _meta(tagged, structure, estimation)
   step = jax.jit(_batch_step(tagged, estimate, meta, estimation, num_samples))
@@ -149,7 +149,7 @@ def _meta(tagged, structure, estimation):
   layers = tuple(
       P.LayerSlot(name=l.name, kind=l.kind,
                   block=(None if structure == "full" else
-                         l.block.one_slice),
+                         kfl_blocks.as_block(l.block).one_slice),
                   leaves=tuple(l.leaves), stack=l.stack,
                   index=P.layer_index(shapes, l.leaves, l.stack))
       for l in tagged.layers)

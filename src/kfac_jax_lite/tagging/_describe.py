@@ -65,7 +65,7 @@ def rows(tagged):
   """The rows of a ``TaggedLoss`` whose layers have their blocks."""
   table = Table()
   for l in tagged.layers:
-    block = l.block.one_slice
+    block = B.as_block(l.block).one_slice
     table.append(Row(
         name=l.name, kind=l.kind, block=type(block).__name__,
         params=tuple(l.params),
