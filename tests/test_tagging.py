@@ -195,6 +195,21 @@ def test_other_batch_size_and_stable_names():
           == [x.block for x in tl.with_blocks().layers])
 
 
+def test_with_blocks_leaves_the_detection_as_it_was():
+  tl = _tagged("jax_transformer")
+  layers = tl.layers
+  pi = tl.with_blocks()
+  exact = tl.with_blocks(damping_mode="exact")
+  assert tl.layers is layers and all(l.block is None for l in tl.layers)
+  assert all(l.block is not None for l in pi.layers + exact.layers)
+  assert [l.block.damping_mode for l in pi.layers
+          if hasattr(l.block, "damping_mode")] == [
+              "pi"] * sum(hasattr(l.block, "damping_mode") for l in pi.layers)
+  assert {l.block.damping_mode for l in exact.layers
+          if hasattr(l.block, "damping_mode")} == {"exact"}
+  assert pi.closed is tl.closed and pi.losses is tl.losses  # No re-trace.
+
+
 def _per_example_flat(name, tl):
   """``{layer name: [N, P]}`` per-example gradients by ``vmap(grad)``,
   raveled in the layer's parameter order."""

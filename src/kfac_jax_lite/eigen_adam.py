@@ -137,9 +137,11 @@ class EigenAdamState(NamedTuple):
   nu: tuple  # per parameter leaf: plain Adam's v (shape (0,) if rotated).
 
 
-def inner_block(block):
-  """The block of one slice: ``block.block`` for a ``Stacked`` one."""
-  return block.block if isinstance(block, B.Stacked) else block
+def inner_block(block) -> Any:
+  """The block of one slice: ``block.block`` for a ``Stacked`` one
+  (``Block.one_slice``); a rotated layer's is a ``KroneckerBlock``, with
+  its ``layout``."""
+  return B.as_block(block).one_slice
 
 
 def per_slice(layer, fn):
@@ -247,16 +249,6 @@ def rebase_moments(m, v, old, new, nu_rebase="project"):
   if nu_rebase == "project":
     v = to_basis(v, None if ra is None else ra ** 2, rg ** 2)
   return m, v
-
-
-def _has_statistics(block_state):
-  return jnp.all(jnp.stack([f.weight > 0 for f in jax.tree.leaves(
-      block_state, is_leaf=_is_factor) if _is_factor(f)]))
-
-
-def _is_ready(block_state):
-  return jnp.all(jnp.stack([f.cache.step >= 0 for f in jax.tree.leaves(
-      block_state, is_leaf=_is_factor) if _is_factor(f)]))
 
 
 def shampoo_stats(block, vectors):
@@ -445,8 +437,9 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     def refresh_due(states, mu_b, nu_b):
       """New bases where due, the moments carried into them."""
       due = (state.count % refresh_every == 0) & (state.count > 0)
-      needs = {l.name: _has_statistics(states[l.name])
-               & (due | ~_is_ready(states[l.name])) for l in layers}
+      needs = {l.name: B.as_block(l.block).has_statistics(states[l.name])
+               & (due | ~B.as_block(l.block).is_ready(states[l.name]))
+               for l in layers}
 
       def run(args):
         states, mu_b, nu_b = args

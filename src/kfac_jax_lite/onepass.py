@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kfac_jax_lite import _block_policy
 from kfac_jax_lite import tagging
 from kfac_jax_lite import transform
 from kfac_jax_lite.estimators import (
@@ -151,10 +152,10 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
   stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)")
   check_example_axis(example_axis, batch, stats_fraction,
                      "value_grad_and_stats")
-  tagged = tagging.find_layers(
+  tagged = _block_policy.with_blocks(tagging.find_layers(
       loss_fn, params, batch, has_aux=has_aux, exclude=exclude,
-      example_axis=example_axis).with_blocks(
-          blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
+      example_axis=example_axis), blocks, damping_mode=damping_mode,
+      weight_sharing=weight_sharing)
   check_has_loss(tagged, estimation, "value_grad_and_stats")
   stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)",
                    tagged.examples)  # Now knowing which leaves are examples.

@@ -73,7 +73,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax_lite.blocks import Stacked
+from kfac_jax_lite.blocks import base as blocks_base
+from kfac_jax_lite import _block_policy
 from kfac_jax_lite import _detection
 from kfac_jax_lite import _first_step
 from kfac_jax_lite import _health_state
@@ -120,47 +121,24 @@ class KfacState(NamedTuple):
   stats_due: Any
 
 
-def _per_slice(layer, fn):
-  """``fn(block_state, block, *args)`` on each slice of a layer's state: a
-  ``Stacked`` layer (scan) maps it over the stack."""
-  if isinstance(layer.block, Stacked):
-    inner = layer.block.block
-    return jax.vmap(lambda st, *a: fn(st, inner, *a))
-  return lambda st, *a: fn(st, layer.block, *a)
-
-
-def _is_factor(x):
-  return isinstance(x, fac.FactorState)
-
-
-def _factors(block_state):
-  return [f for f in jax.tree.leaves(block_state, is_leaf=_is_factor)
-          if _is_factor(f)]
-
-
-def _caches(block_state):
-  """The ``FactorCache``s of a block state, in its structure."""
-  return jax.tree.map(lambda f: f.cache if _is_factor(f) else f, block_state,
-                      is_leaf=_is_factor)
-
-
-def _with_caches(block_state, caches):
-  """``block_state`` with its factors' caches replaced by ``caches``."""
-  return jax.tree.map(lambda f, c: f._replace(cache=c) if _is_factor(f) else f,
-                      block_state, caches, is_leaf=_is_factor)
+def _block(layer):
+  """``layer``'s block as a ``Block`` (``blocks.base.as_block``)."""
+  return blocks_base.as_block(layer.block)
 
 
 def has_statistics(block_state):
   """Whether every factor of one (unstacked) block has received statistics
-  (``FactorState.weight > 0``): before that a factor reads as zero."""
-  return jnp.all(jnp.stack([f.weight > 0 for f in _factors(block_state)]))
+  (``FactorState.weight > 0``): before that a factor reads as zero
+  (``Block.has_statistics``)."""
+  return blocks_base.has_statistics(block_state)
 
 
 def is_ready(block_state):
   """Whether every factor of one (unstacked) block has a cached
   decomposition of real statistics (``FactorState.cache.step >= 0``); a
-  block that is not ready passes its gradient through unpreconditioned."""
-  return jnp.all(jnp.stack([f.cache.step >= 0 for f in _factors(block_state)]))
+  block that is not ready passes its gradient through unpreconditioned
+  (``Block.is_ready``)."""
+  return blocks_base.is_ready(block_state)
 
 
 def is_refresh_step(count, inverse_every):
@@ -244,18 +222,6 @@ def accumulate(layers, states, stats, cov_decay):
           for l in layers}
 
 
-def _refreshed_caches(block_state, block, *, damping, precon_power, step,
-                      inverse_method):
-  """One (unstacked) block's caches after a refresh; a block whose factors
-  have no statistics yet keeps its caches (it stays not ready) rather than
-  cache a decomposition of the damping alone."""
-  new = _caches(block.refresh(block_state, damping, precon_power, step=step,
-                              method=inverse_method))
-  old = _caches(block_state)
-  ok = has_statistics(block_state)
-  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-
 def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
             inverse_method, axis_name=None):
   """Refreshes the cached decompositions at ``damping`` where needed.
@@ -269,45 +235,37 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
   Under ``axis_name`` each device refreshes only its share (block ``i`` on
   device ``i mod n``) and the caches are shared with a ``psum``.
   """
-  needs = [damping_ok & (due | ~jnp.all(
-      _per_slice(l, lambda s, b: is_ready(s))(states[l.name]))) for l in layers]
+  needs = [damping_ok & (due | ~_block(l).is_ready(states[l.name]))
+           for l in layers]
   if not layers:
     return states
 
   def run(states):
     out = {}
     for i, (l, need) in enumerate(zip(layers, needs)):
-      st = states[l.name]
-      fn = _per_slice(l, functools.partial(
-          _refreshed_caches, damping=damping, precon_power=precon_power,
-          step=step, inverse_method=inverse_method))
+      st, block = states[l.name], _block(l)
+      fn = functools.partial(block.refresh_caches, damping=damping,
+                             exp=precon_power, step=step,
+                             method=inverse_method)
       if axis_name is None:
         new = fn(st)
       else:  # Refreshed on its owner, then shared.
         mine = _owner_mask(i, axis_name)
-        new = jax.lax.cond(mine, fn, _caches, st)
+        new = jax.lax.cond(mine, fn, block.caches, st)
         new = jax.tree.map(lambda x: jax.lax.psum(
             jnp.where(mine, x, jnp.zeros_like(x)), axis_name), new)
       out[l.name] = jax.tree.map(lambda n, o: jnp.where(need, n, o), new,
-                                 _caches(st))
+                                 block.caches(st))
     return out
 
   def keep(states):
-    return {l.name: _caches(states[l.name]) for l in layers}
+    return {l.name: _block(l).caches(states[l.name]) for l in layers}
 
   caches = jax.lax.cond(jnp.any(jnp.stack(needs)), run, keep, states)
-  return {name: (_with_caches(st, caches[name]) if name in caches else st)
+  blocks = {l.name: _block(l) for l in layers}
+  return {name: (blocks[name].with_caches(st, caches[name])
+                 if name in caches else st)
           for name, st in states.items()}
-
-
-def _preconditioned(block_state, block, vectors, *, damping, precon_power):
-  """``(F + λI)^p v`` from the cache; the gradient as it is while the block
-  is not ready."""
-  u = block.multiply_matpower(block_state, vectors, damping, precon_power,
-                              use_cache=True)
-  ready = is_ready(block_state)
-  return tuple(jnp.where(ready, x, y.astype(x.dtype))
-               for x, y in zip(u, vectors))
 
 
 def precondition(layers, states, grad_leaves, damping, precon_power):
@@ -317,9 +275,8 @@ def precondition(layers, states, grad_leaves, damping, precon_power):
   for l in layers:
     vectors = tuple(grad_leaves[i].reshape(s)
                     for i, s in zip(l.leaves, l.block.param_shapes))
-    u = _per_slice(l, functools.partial(
-        _preconditioned, damping=damping, precon_power=precon_power))(
-            states[l.name], vectors)
+    u = _block(l).precondition(states[l.name], vectors, damping,
+                               precon_power)
     for i, x in zip(l.leaves, u):
       out[i] = x.reshape(grad_leaves[i].shape).astype(grad_leaves[i].dtype)
   return out
@@ -531,8 +488,9 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
         example_batch if batch is None else batch,
         has_aux=has_aux, exclude=exclude, example_axis=example_axis)
     if tagged not in with_blocks:
-      with_blocks[tagged] = tagged.with_blocks(
-          blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
+      with_blocks[tagged] = _block_policy.with_blocks(
+          tagged, blocks, damping_mode=damping_mode,
+          weight_sharing=weight_sharing)
     if batch is not None:
       _detection.check_same_layers(tagged_for(params), with_blocks[tagged])
     return with_blocks[tagged]

@@ -4,6 +4,7 @@ See ``kfac_jax_lite.blocks.base`` for the interface they share (``Block``)
 and the data their statistics consume (``LayerData``).
 """
 from kfac_jax_lite._kron import KroneckerState
+from kfac_jax_lite.blocks.base import as_block  # noqa: F401 (not in __all__)
 from kfac_jax_lite.blocks.base import (
     ACTIVATIONS, GRADIENTS, Block, FlatBlock, KroneckerBlock, LayerData,
     check_block, state_bytes)

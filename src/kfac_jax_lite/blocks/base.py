@@ -34,6 +34,15 @@ curvature):
   ``L⁻ᵀ v`` for a square-root factor ``L Lᵀ`` of the damped block.
 * ``to_dense(state)`` — ``F`` as an explicit matrix.
 
+``Block`` also gives the state bookkeeping the optimizer reads, from the
+factors of a state (``FactorState``): ``caches(state)`` /
+``with_caches(state, caches)`` (the ``FactorCache``s alone, which a refresh
+replaces), ``has_statistics(state)``, ``is_ready(state)`` (a cached
+decomposition of real statistics), ``refresh_caches(...)`` (``refresh``'s
+caches, kept while there are no statistics), ``precondition(state, v,
+damping, exp)`` (``multiply_matpower`` from the cache; ``v`` itself while
+not ready) and ``one_slice`` (the block of one slice of a stacked layer).
+
 ``Stacked(block, n)`` (``blocks.stacked``) is the same interface for ``n``
 independent copies of a block (a layer stacked along ``lax.scan``).
 """
@@ -41,7 +50,7 @@ from __future__ import annotations
 
 import abc
 import math
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -149,8 +158,11 @@ class Block(abc.ABC):
       "multiply_inverse", "multiply_cholesky", "multiply_cholesky_inverse",
       "to_dense")
   consumes: ClassVar[str] = ACTIVATIONS
-  # Provided by each subclass (a dataclass field or a property).
+  # Provided by each subclass (a dataclass field, a property or a method).
   param_shapes: tuple[tuple[int, ...], ...]
+  factor_shapes: tuple
+  refresh: Callable[..., Any]
+  multiply_matpower: Callable[..., Any]
 
   @abc.abstractmethod
   def compute_stats(self, *args, weights=None):
@@ -171,6 +183,111 @@ class Block(abc.ABC):
 
   def state_bytes(self):
     return state_bytes(self)
+
+  @property
+  def one_slice(self):
+    """The block of one slice of a scan-stacked layer: the block itself
+    (``Stacked``: the block it maps over its stack)."""
+    return self
+
+  # The state's bookkeeping (one block; ``Stacked`` maps it over its stack).
+  def caches(self, state):
+    """The ``FactorCache``s of ``state``, in its structure."""
+    return jax.tree.map(lambda f: f.cache if _is_factor(f) else f, state,
+                        is_leaf=_is_factor)
+
+  def with_caches(self, state, caches):
+    """``state`` with its factors' caches replaced by ``caches`` (the
+    structure ``caches`` gives)."""
+    return jax.tree.map(
+        lambda f, c: f._replace(cache=c) if _is_factor(f) else f, state,
+        caches, is_leaf=_is_factor)
+
+  def has_statistics(self, state):
+    """Whether every factor has received statistics (``FactorState.weight
+    > 0``): before that a factor reads as zero."""
+    return has_statistics(state)
+
+  def is_ready(self, state):
+    """Whether every factor has a cached decomposition of real statistics
+    (``FactorState.cache.step >= 0``); a block that is not ready passes its
+    gradient through unpreconditioned (``precondition``)."""
+    return is_ready(state)
+
+  def refresh_caches(self, state, damping, exp=-1.0, step=0, method="auto"):
+    """The caches after ``refresh(state, damping, exp, step, method)``; a
+    block whose factors have no statistics yet keeps its caches (it stays
+    not ready) rather than cache a decomposition of the damping alone."""
+    new = self.caches(self.refresh(state, damping, exp, step=step,
+                                   method=method))
+    old = self.caches(state)
+    ok = self.has_statistics(state)
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+  def precondition(self, state, vectors, damping, exp):
+    """``(F + λI)^exp v`` from the cache; ``vectors`` as they are while the
+    block is not ready (``is_ready``)."""
+    u = self.multiply_matpower(state, vectors, damping, exp, use_cache=True)
+    ready = self.is_ready(state)
+    return tuple(jnp.where(ready, x, y.astype(x.dtype))
+                 for x, y in zip(u, vectors))
+
+
+def as_block(block):
+  """``block`` as a ``Block``: itself, or, for an object that implements
+  the interface (``check_block``) without subclassing ``Block``, an
+  adapter whose bookkeeping methods (``is_ready``, ``refresh_caches``,
+  ``precondition``, ...) call that object's own ``refresh`` and
+  ``multiply_matpower``; its ``one_slice`` is the object."""
+  return block if isinstance(block, Block) else _Adapted(block)
+
+
+class _Adapted(Block):
+  """A ``Block`` view of a duck-typed block (see ``as_block``)."""
+
+  def __init__(self, wrapped):
+    self.wrapped = wrapped
+
+  def __getattr__(self, attr):
+    return getattr(self.__dict__["wrapped"], attr)
+
+  @property
+  def consumes(self):
+    return self.wrapped.consumes
+
+  @property
+  def one_slice(self):
+    return self.wrapped
+
+  def compute_stats(self, *args, weights=None):
+    return self.wrapped.compute_stats(*args, weights=weights)
+
+  def layer_stats(self, data, state=None):
+    return self.wrapped.layer_stats(data, state)
+
+  def init(self, dtype=jnp.float32):
+    return self.wrapped.init(dtype)
+
+
+def _is_factor(x):
+  return isinstance(x, fac.FactorState)
+
+
+def _factors(state):
+  return [f for f in jax.tree.leaves(state, is_leaf=_is_factor)
+          if _is_factor(f)]
+
+
+def has_statistics(state):
+  """Whether every factor of one (unstacked) block state has received
+  statistics (``FactorState.weight > 0``)."""
+  return jnp.all(jnp.stack([f.weight > 0 for f in _factors(state)]))
+
+
+def is_ready(state):
+  """Whether every factor of one (unstacked) block state has a cached
+  decomposition of real statistics (``FactorState.cache.step >= 0``)."""
+  return jnp.all(jnp.stack([f.cache.step >= 0 for f in _factors(state)]))
 
 
 class KroneckerBlock(Block):

@@ -87,6 +87,36 @@ class Stacked(base.Block):
     return jax.vmap(lambda st, x: self.block.multiply_cholesky_inverse(
         st, x, damping, transpose))(state, tuple(v))
 
+  @property
+  def one_slice(self):
+    return self.block
+
+  def caches(self, state):
+    return jax.vmap(base.as_block(self.block).caches)(state)
+
+  def with_caches(self, state, caches):
+    return jax.vmap(base.as_block(self.block).with_caches)(state, caches)
+
+  def has_statistics(self, state):
+    """Whether every slice has statistics."""
+    return jnp.all(jax.vmap(base.as_block(self.block).has_statistics)(state))
+
+  def is_ready(self, state):
+    """Whether every slice is ready."""
+    return jnp.all(jax.vmap(base.as_block(self.block).is_ready)(state))
+
+  def refresh_caches(self, state, damping, exp=-1.0, step=0, method="auto"):
+    """Each slice's ``refresh_caches`` (a slice without statistics keeps
+    its caches)."""
+    return jax.vmap(lambda st: base.as_block(self.block).refresh_caches(
+        st, damping, exp, step, method))(state)
+
+  def precondition(self, state, vectors, damping, exp):
+    """Each slice's ``precondition`` (a slice that is not ready passes its
+    vectors through)."""
+    return jax.vmap(lambda st, x: base.as_block(self.block).precondition(
+        st, x, damping, exp))(state, tuple(vectors))
+
   def to_dense(self, state):
     """The block-diagonal matrix, indexed like the stacked parameters."""
     per_slice = jax.vmap(self.block.to_dense)(state)  # [n, m, m]

@@ -118,7 +118,7 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
         damping_mode="exact")
     tagged = estimate.tagged
     for layer in tagged.layers:
-      _check_block(layer.name, _per_slice(layer.block, layer.stack))
+      _check_block(layer.name, kfl_blocks.as_block(layer.block).one_slice)
   estimators.check_has_loss(tagged, estimation, "kfl.laplace.fit")
   meta = _meta(tagged, structure, estimation)
   step = jax.jit(_batch_step(tagged, estimate, meta, estimation, num_samples))
@@ -139,16 +139,6 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
                      num_examples=count, loss=loss, meta=meta)
 
 
-def _per_slice(block, stack):
-  """The block of one slice of a scan-stacked layer: ``block`` itself, or
-  the block inside a wrapper that maps it over the stack (``.block``,
-  ``.n``). The posterior maps over stacks itself."""
-  inner = getattr(block, "block", None)
-  if stack and inner is not None and getattr(block, "n", None) == stack:
-    return inner
-  return block
-
-
 def _check_block(name, block):
   if isinstance(block, kfl_blocks.KroneckerBlock):
     if block.damping_mode != "exact":
@@ -166,7 +156,7 @@ def _meta(tagged, structure, estimation):
   layers = tuple(
       P.LayerSlot(name=l.name, kind=l.kind,
                   block=(None if structure == "full" else
-                         _per_slice(l.block, l.stack)),
+                         kfl_blocks.as_block(l.block).one_slice),
                   leaves=tuple(l.leaves), stack=l.stack,
                   index=P.layer_index(shapes, l.leaves, l.stack))
       for l in tagged.layers)

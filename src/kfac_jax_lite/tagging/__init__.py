@@ -34,10 +34,11 @@ Algorithm
    a penalty added into activations, ...) is recorded with its reason.
 3. Uses are grouped by the leaves they share (``_layers``). One group is one
    layer of the kind that takes its uses: each kind is one record,
-   ``_kinds/<kind>.py`` (its grouping, default block, data layout and
-   per-example gradient); incompatible groups become a fallback layer
-   whose reason ``describe`` shows. Nothing is dropped. Detection stops
-   here: ``make_blocks`` (``_blocks``) then chooses each layer's curvature
+   ``_kinds/<kind>.py`` (its recogniser, grouping, default block, data
+   layout and per-example gradient); incompatible groups become a
+   fallback layer whose reason ``describe`` shows. Nothing is dropped.
+   Detection stops here: the block policy (``kfac_jax_lite._block_policy``:
+   ``make_blocks``, ``with_blocks``) then chooses each layer's curvature
    block (``blocks=`` overrides, ``damping_mode``, ``weight_sharing``),
    without re-tracing.
 4. The rewritten loss (``_interpret``) replays the jaxpr: at each layer
@@ -147,12 +148,35 @@ Unsupported (fallback with the reason)
 A custom_jvp/custom_vjp function that contains a layer is replaced by
 autodiff of its primal implementation in the rewritten loss.
 """
-from kfac_jax_lite.tagging._blocks import make_blocks
 from kfac_jax_lite.tagging._describe import Row, Table, describe
 from kfac_jax_lite.tagging._layers import Layer
+from kfac_jax_lite.tagging._loss_tags import LossTag, find_loss_tags
 from kfac_jax_lite.tagging._tagged import (
-    LossTag, TaggedLoss, batch_size, find_layers, find_loss_tags, path_name)
+    TaggedLoss, batch_size, find_layers, path_name)
 from kfac_jax_lite.tagging._vma import tree_vma as varying_axes
+
+
+
+def make_blocks(layers, overrides=None, *, damping_mode="pi",
+                weight_sharing="expand"):
+  """The curvature block of each of ``layers`` (a tuple in their order).
+
+  The block policy (``kfac_jax_lite._block_policy``, above tagging and
+  blocks, loaded on first use) chooses them; ``TaggedLoss.with_blocks``
+  gives a detection with them. ``overrides``: the ``blocks=`` mapping of
+  ``kfl.kfac`` (a parameter path, ``fnmatch`` pattern or layer kind to
+  ``"kronecker"``, ``"diagonal"``, ``"full"``, ``"naive_diagonal"``,
+  ``"ekfac"``, ``"series1"``, ``"series2"``, ``"kron_indep"``, a dict of
+  the default block's options, a block, or a callable ``f(layer) ->
+  block``); ``damping_mode`` (``"pi"`` or ``"exact"``) and
+  ``weight_sharing`` (``"expand"`` or ``"reduce"``) configure the default
+  Kronecker blocks.
+  """
+  from kfac_jax_lite import _block_policy
+  return _block_policy.make_blocks(layers, overrides,
+                                   damping_mode=damping_mode,
+                                   weight_sharing=weight_sharing)
+
 
 __all__ = ["Layer", "LossTag", "Row", "Table", "TaggedLoss", "batch_size",
            "describe", "find_layers", "find_loss_tags", "make_blocks",

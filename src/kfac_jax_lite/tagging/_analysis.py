@@ -5,16 +5,20 @@ nested jaxprs) and returns the layer *uses* it recognised and the *opaque*
 uses (a parameter consumed by anything that is not a layer pattern). A use
 knows where to capture its input and where to add its output probe, as a key
 path of equation indices through the nested jaxprs; ``_interpret`` replays
-the jaxpr with those keys.
+the jaxpr with those keys. The walk follows parameter views through layout
+ops, slices, concatenations and nested jaxprs; an equation that consumes
+one is recognised by the registered layer kinds that handle its primitive
+(``_kinds.recognisers``, each kind's ``LayerSpec.recognise``), which record
+its use with ``Analysis._record`` and the shared matchers of
+``_matching``/``_joined``.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from jax import lax
-
 from kfac_jax_lite.tagging import _joined
+from kfac_jax_lite.tagging import _kinds
 from kfac_jax_lite.tagging import _matching
 from kfac_jax_lite.tagging import _penalties
 from kfac_jax_lite.tagging import _scaled
@@ -33,7 +37,7 @@ CALL_PRIMS = {  # primitive name -> param holding the (closed) jaxpr
 class Use:
   """One application of a layer pattern to parameter leaves."""
   uid: int
-  kind: str                 # dense | conv | embedding | scale_and_shift
+  kind: str                 # a kind's pattern (``LayerSpec.patterns``)
   roles: dict               # role name -> View (kernel, bias, table, scale, shift)
   capture_key: tuple | None  # equation key where the input is read
   # How the input is read: ("var", v) | ("mul", a, b) | ("iota", lo, shape, axis)
@@ -241,28 +245,45 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
     env = ctx["env"]
     views = [env.get(v) if _is_var(v) else None for v in eqn.invars]
     name = eqn.primitive.name
-    if any(getattr(v, "scales", ()) for v in views) and name not in (
-        "dot_general", "conv_general_dilated"):
+    kinds = _kinds.recognisers(name)
+    if any(getattr(v, "scales", ()) for v in views) and not any(
+        k.takes_scaled for k in kinds):
       fn = lambda *_: ("scaled by a stop-gradient scalar before "
                        f"`{name}` (only dense and conv kernels take it)")
     elif name in ("mul", "div") and _scaled.scaled_by_scalar(eqn, views):
       fn = lambda *_: _scaled.NOT_STOPPED
-    elif name != "dot_general" and any(isinstance(v, _joined.Joined)
-                                       for v in views):
+    elif any(k.takes_reshaped for k in kinds):
+      fn = None
+    elif any(isinstance(v, _joined.Joined) for v in views):
       fn = lambda *_: f"concatenated with other parameters before `{name}`"
-    elif name != "dot_general" and any(isinstance(v, Regrouped) for v in views):
+    elif any(isinstance(v, Regrouped) for v in views):
       fn = lambda *_: f"reshaped by `reshape` before `{name}`"
-    elif name != "dot_general" and any(isinstance(v, Sliced) for v in views):
+    elif any(isinstance(v, Sliced) for v in views):
       fn = self._sliced_rows  # ``x + pos[:t]``, else the reason.
     else:
       fn = None
-    fn = fn or {"dot_general": self._dense, "conv_general_dilated": self._conv,
-          "gather": self._gather, "mul": self._mul, "add": self._add}.get(name)
-    reason = fn(i, eqn, views, ctx) if fn else f"used by `{name}`"
+    reason = fn(i, eqn, views, ctx) if fn else self._recognise(
+        kinds, i, eqn, views, ctx)
     if reason:
       for v in views:
         if v is not None:
           self._opaque(v, reason, ctx["where"])
+
+  def _recognise(self, kinds, i, eqn, views, ctx):
+    """The first of ``kinds`` (``_kinds.recognisers``: the registered
+    kinds that handle the primitive, the latest registered first) whose
+    ``recognise`` takes equation ``i``: None once one recorded its use,
+    else the reason the parameters there are not a layer (the first kind's
+    that gave one; "used by `name`" when none handles the primitive)."""
+    reason = None
+    for kind in kinds:
+      got = kind.recognise(self, i, eqn, views, ctx)
+      if got is NotImplemented:
+        continue
+      if not got:
+        return None
+      reason = reason or got
+    return reason or f"used by `{eqn.primitive.name}`"
 
   def _record(self, kind, roles, ctx, cap_i, capture, cap_aval, probe_i,
               probe_aval, in_labels, out_labels, config, examples=None):
@@ -280,197 +301,6 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
         in_labels=tuple(in_labels), out_labels=tuple(out_labels),
         levels=ctx["levels"], config=config, where=where,
         examples=examples, in_while=ctx["in_while"])
-
-  def _dense(self, i, eqn, views, ctx):
-    if views[0] is not None and views[1] is not None:
-      return "multiplied (dot_general) by another parameter"
-    k = 0 if views[0] is not None else 1
-    kv = views[k]
-    if isinstance(kv, Regrouped):
-      return self._dense_regrouped(i, eqn, k, kv, ctx)
-    if isinstance(kv, _joined.Joined):
-      return self._dense_joined(i, eqn, k, kv, ctx)
-    sliced = isinstance(kv, Sliced)
-    if not kv.pure and not (sliced and None not in kv.dims):
-      return "broadcast or reshaped before dot_general"
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    kc, xc = (lc, rc) if k == 0 else (rc, lc)
-    kb, xb = (lb, rb) if k == 0 else (rb, lb)
-    if kb:
-      # Per-head kernels ``W [h, d, e]`` in ``"nhtd,hde->nhte"``: h
-      # independent dense layers, a layer stacked along its leading axis.
-      if len(kb) > 1 or sliced or kv.stacked or kv.dims[kb[0]] != 0:
-        return ("a dot_general batch dimension on the kernel other than "
-                "one leading axis (per-group weights)")
-      kv = dataclasses.replace(kv, stacked=(("batch",) + ctx["prefix"]
-                                            + (i,),))
-      kc = tuple(kc)
-    x = eqn.invars[1 - k]
-    xnd, knd = len(x.aval.shape), len(kv.dims)
-    in_labels, b = [], 0
-    for d in range(xnd):
-      if d in xc:
-        in_labels.append(("k", kv.dims[kc[list(xc).index(d)]]))
-      elif d in xb:
-        in_labels.append(("L",))
-      else:
-        in_labels.append(("b", b))
-        b += 1
-    if b == 0:
-      return "dot_general with an input that has no example axis"
-    x_free = [("b", j) for j in range(b)]
-    k_free = [("k", kv.dims[d]) for d in range(knd)
-              if d not in kc and d not in kb]
-    out_labels = [("L",)] * len(kb) + (
-        k_free + x_free if k == 0 else x_free + k_free)
-    if not k_free:
-      return "a dot_general that contracts every kernel axis"
-    base = len(kv.stacked)
-    in_axes = tuple(sorted(kv.dims[d] - base for d in kc))
-    config = dict(in_axes=in_axes, kernel_shape=tuple(kv.leaf_shape[base:]))
-    if sliced:
-      window = kv.window[base:]
-      if any(window[a] != (0, config["kernel_shape"][a]) for a in in_axes):
-        return "sliced along a contracted (input) axis before dot_general"
-      config.update(window=window, source=self._source(x, ctx))
-    self._record_dense(i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
-                       config)
-    return None
-
-  def _record_dense(self, i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
-                    config):
-    """Records the dense use at equation ``i`` (input ``x``, kernel view
-    ``kv``), with the bias added right after it when there is one (then
-    the bias's output is the probed value)."""
-    probe_i, probe_aval = i, eqn.outvars[0].aval
-    roles, labels = {"kernel": kv}, tuple(out_labels)
-    stack = kv.stacked if ("L",) in labels else None
-    found = self._bias_add(eqn.outvars[0], labels, ctx, set(k_free), stack)
-    if found is not None and not _matching.same_block(kv, found, ctx):
-      found = None  # ``x @ W[:, :d] + b[d:]``: not the kernel's own bias.
-    if found is not None:
-      j, bview, labels = found
-      ctx["claimed"].add(j)
-      roles["bias"] = bview
-      probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
-    self._record("dense", roles, ctx, i, _scaled.capture(x, kv), x.aval,
-                 probe_i,
-                 probe_aval, in_labels, labels, config)
-
-  def _conv(self, i, eqn, views, ctx):
-    if views[0] is not None:
-      return "the parameter is the input (lhs) of a convolution"
-    kv = views[1]
-    base = len(kv.stacked)
-    if kv.dims != tuple(range(base, len(kv.leaf_shape))):
-      return "a transposed or broadcast convolution kernel"
-    p = eqn.params
-    if p.get("batch_group_count", 1) != 1:
-      return "a convolution with batch_group_count > 1"
-    lhs, out = eqn.invars[0], eqn.outvars[0]
-    dn = p["dimension_numbers"]
-    nd = len(lhs.aval.shape)
-    in_labels = [("c", q) for q in range(nd)]
-    out_labels = [("c", q) for q in range(nd)]
-    roles = {"kernel": kv}
-    probe_i, probe_aval, labels = i, out.aval, out_labels
-    found = self._bias_add(out, tuple(out_labels), ctx, {("c", dn.out_spec[1])})
-    if found is not None and (tuple(ctx["jaxpr"].eqns[found[0]].outvars[
-        0].aval.shape) != tuple(out.aval.shape) or any(
-            l != m and not (l == ("u",) and n == 1) for l, m, n in
-            zip(found[2], out_labels, out.aval.shape))):
-      # The conv block reads cotangents in the conv's output layout: a bias
-      # added after a reshape or slice stays a block of its own (a shift).
-      found = None
-    elif found is not None:  # Unit axes moved (one output channel, vmap).
-      found = found[:2] + (out_labels,)
-    if found is not None:
-      j, bview, labels = found
-      ctx["claimed"].add(j)
-      roles["bias"] = bview
-      probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
-    padding = p["padding"]
-    if isinstance(padding, str):
-      return "a convolution with string padding"
-    config = dict(
-        kernel_shape=tuple(kv.leaf_shape[base:]),
-        window_strides=tuple(p["window_strides"]),
-        padding=tuple(tuple(int(x) for x in pr) for pr in padding),
-        lhs_dilation=tuple(p["lhs_dilation"]),
-        rhs_dilation=tuple(p["rhs_dilation"]),
-        dimension_numbers=lax.ConvDimensionNumbers(
-            tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)),
-        feature_group_count=p["feature_group_count"],
-        precision=p.get("precision"))
-    self._record("conv", roles, ctx, i, _scaled.capture(lhs, kv), lhs.aval,
-                 probe_i,
-                 probe_aval, in_labels, labels, config,
-                 examples=lhs.aval.shape[dn.lhs_spec[0]])
-    return None
-
-  def _mul(self, i, eqn, views, ctx):
-    if views[0] is not None and views[1] is not None:
-      return "multiplied by another parameter"
-    k = 0 if views[0] is not None else 1
-    sv = views[k]
-    other = eqn.invars[1 - k]
-    out = eqn.outvars[0]
-    shape = tuple(out.aval.shape)
-    if not sv.covers(shape):
-      return "multiplied after a reduction or broadcast of its axes"
-    labels, nonunit = self._broadcast_labels(sv, shape)
-    capture, cap_i = ("var", other), i
-    y, y_i = out, i
-    j = self._single_consumer(out, ctx)
-    if j is not None:
-      e2 = ctx["jaxpr"].eqns[j]
-      z = [w for w in e2.invars if w is not out]
-      shape2 = tuple(e2.outvars[0].aval.shape)
-      if (e2.primitive.name == "mul" and len(z) == 1 and _is_var(z[0])
-          and ctx["env"].get(z[0]) is None and len(shape2) == len(shape)
-          and all(a in (b, 1) for a, b in zip(shape, shape2))):
-        # ``(x - μ) · (rsqrt(σ²+ε) · scale)``; with batch statistics the
-        # first product has no example axis (``[1, C]``): it gets one here.
-        capture, cap_i = ("mul", other, z[0]), j
-        y, y_i = e2.outvars[0], j
-        ctx["claimed"].add(j)
-        if shape2 != shape:
-          shape = shape2
-          labels, nonunit = self._broadcast_labels(sv, shape)
-          out = y
-    roles = {"scale": sv}
-    probe_i, probe_aval = y_i, y.aval
-    j = self._single_consumer(y, ctx)
-    if j is not None and j not in ctx["claimed"]:
-      e3 = ctx["jaxpr"].eqns[j]
-      w = [v for v in e3.invars if v is not y]
-      hv = ctx["env"].get(w[0]) if len(w) == 1 and _is_var(w[0]) else None
-      if (e3.primitive.name == "add" and _scaled.plain(hv) and hv.leaf != sv.leaf
-          and hv.stacked == sv.stacked
-          and tuple(e3.outvars[0].aval.shape) == shape
-          and hv.nonunit(shape) == nonunit and hv.covers(shape)):
-        roles["shift"] = hv
-        ctx["claimed"].add(j)
-        probe_i, probe_aval = j, e3.outvars[0].aval
-    cap_aval = out.aval
-    self._record("scale_and_shift", roles, ctx, cap_i, capture + (shape,),
-                 cap_aval, probe_i, probe_aval, labels, labels, {})
-    return None
-
-  def _add(self, i, eqn, views, ctx):
-    if views[0] is not None and views[1] is not None:
-      return "added to another parameter"
-    k = 0 if views[0] is not None else 1
-    hv = views[k]
-    out = eqn.outvars[0]
-    shape = tuple(out.aval.shape)
-    if not hv.covers(shape):
-      return "added after a reduction or broadcast of its axes"
-    labels, _ = self._broadcast_labels(hv, shape)
-    self._record("scale_and_shift", {"shift": hv}, ctx, None, None, None, i,
-                 out.aval, labels, labels, {})
-    return None
-
 
 def analyse(jaxpr, leaf_shapes):
   """``(uses, opaque, penalties)`` of ``jaxpr`` (a core.Jaxpr) whose first invars are

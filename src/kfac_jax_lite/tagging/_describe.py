@@ -70,7 +70,7 @@ def rows(tagged):
   """The rows of a ``TaggedLoss`` whose layers have their blocks."""
   table = Table()
   for l in tagged.layers:
-    block = l.block.block if isinstance(l.block, B.Stacked) else l.block
+    block = B.as_block(l.block).one_slice
     table.append(Row(
         name=l.name, kind=l.kind, block=type(block).__name__,
         params=tuple(l.params),
@@ -154,6 +154,7 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   ``kfl.kfac`` raises at ``tx.init``). ``estimation``: when given,
   a ``ValueError`` if ``kfl.kfac`` with it would refuse this loss (as
   ``kfl.value_grad_and_stats`` does when built)."""
+  from kfac_jax_lite import _block_policy  # Above tagging: at call time.
   from kfac_jax_lite import estimators
   from kfac_jax_lite.tagging._tagged import find_layers
   tagged = find_layers(loss_fn, params, batch, has_aux=has_aux,
@@ -161,8 +162,9 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   if estimation is not None:
     estimators.check_estimation(estimation)
     estimators.check_has_loss(tagged, estimation, "kfl.describe")
-  tagged = tagged.with_blocks(blocks, damping_mode=damping_mode,
-                              weight_sharing=weight_sharing)
+  tagged = _block_policy.with_blocks(tagged, blocks,
+                                     damping_mode=damping_mode,
+                                     weight_sharing=weight_sharing)
   table = rows(tagged)
   table.first_step = _first_step.refusal(
       tagged, params, batch,

@@ -25,12 +25,15 @@ leaf. Time-major data ``[T, B]`` then has ``example_axis=1``. When the
 choice was not said and is not determined (a leaf has another axis of the
 examples' size: ``T = B``; or the layers' example axis is a later axis of
 a leaf), ``ExampleAxis.hints`` says what was taken and how to change it
-(and ``TaggedLoss`` warns when a ``lax.scan`` runs over the axis taken).
+(and ``TaggedLoss`` warns when a ``lax.scan`` runs over the axis taken:
+``scanned``). With ``example_axis=``, ``located`` finds each layer use's
+and loss's example axis by tracing again with one more example.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 
 import jax
 import numpy as np
@@ -246,3 +249,102 @@ def shrunk(batch, size=2):
     return x[:size]
   leaves, treedef = jax.tree.flatten(batch)
   return jax.tree.unflatten(treedef, [cut(i, x) for i, x in enumerate(leaves)])
+
+
+def signature(u):
+  """What must match between two traces' layer uses: their kind, roles,
+  labels, nesting, place and configuration."""
+  return (u.kind, tuple(sorted((r, v.leaf, v.stacked) for r, v in
+                               u.roles.items())),
+          u.in_labels, u.out_labels, len(u.levels), u.where,
+          tuple(sorted((k, repr(v)) for k, v in u.config.items())))
+
+
+def scanned(trace, tr, ex, params, batch):
+  """``ex`` (an ``ExampleAxis`` whose leading axis was a guess, with
+  ``hints``) checked: ``trace(params, batch)`` (a ``_Trace``, ``tr`` that
+  of ``batch``) once more with the axis one longer; if a ``lax.scan`` that
+  applies a layer gets longer, the axis taken as the examples is a time
+  axis (time-major data): ``ex`` with a hint saying so, and a warning
+  (``UserWarning``), as the statistics will be those of time steps as
+  examples; else ``ex``."""
+  axes: list[int | None] = [None] * len(jax.tree.leaves(batch))
+  for i in ex.leaves:
+    axes[i] = 0
+  try:
+    other = trace(params, moved(batch, axes, ex.size + 1))
+  except Exception:  # noqa: BLE001 (a loss tied to its batch size)
+    return ex
+  if len(other.uses) != len(tr.uses) or not any(
+      [n for _, n in u.levels] != [n for _, n in v.levels]
+      for u, v in zip(tr.uses, other.uses)):
+    return ex
+  hint = (f"{ex.hints[0]}. A lax.scan runs over the axis taken (the "
+          "data look time-major)")
+  warnings.warn(f"kfac_jax_lite: {hint}", UserWarning, stacklevel=4)
+  return dataclasses.replace(ex, hints=(hint,) + ex.hints[1:])
+
+
+def located(trace, tr, ex, params, batch, axes):
+  """``(ex, relabels, loss_axes)``: the examples' axis of every layer use
+  and loss of ``tr`` (the ``_Trace`` of ``batch`` by ``trace(params,
+  batch)``) found for ``example_axis=`` (``axes`` per batch leaf, from
+  ``resolve``; ``ex`` the ``ExampleAxis`` they give). The loss is traced
+  again with the example axes one longer, and the axis of each use's
+  output (each loss's values) whose size changed is the examples'. A use
+  whose example axis is a later activation axis gets a relabelling
+  (``relabels[uid]``) that makes it ``("b", 0)`` (the layer's data then has
+  the examples first, ``_format.arrange``); a use whose changed axis is
+  not the examples' alone (``h.reshape(-1, d)`` merging them with time)
+  keeps its labels (its rows are uses, ``Layer.row_uses``);
+  ``loss_axes[j]`` is loss ``j``'s values' example axis. When the loss
+  does not trace at that size (or traces to other layers), the first
+  activation axis of the examples' size is taken as theirs (and ``ex``
+  gets a hint saying so)."""
+  relabels, loss_axes = {}, {}
+  n = ex.size
+  try:
+    other = trace(params, moved(batch, axes, n + 1))
+    if [signature(u) for u in other.uses] != [signature(u)
+                                               for u in tr.uses]:
+      other = None
+  except Exception:  # noqa: BLE001 (a loss tied to its batch size)
+    other = None
+  if other is None:
+    ex = dataclasses.replace(ex, hints=(
+        f"example axis guessed: the loss does not trace the same with "
+        f"{n + 1} examples, so each layer's example axis is its first "
+        f"activation axis of size {n}",))
+  for u in tr.uses:
+    shape = u.probe_aval.shape
+    if other is not None:
+      changed = [j for j, (a, b) in enumerate(zip(
+          shape, other.uses[u.uid].probe_aval.shape)) if a != b]
+    else:
+      changed = [j for j, l in enumerate(u.out_labels)
+                 if l[0] == "b" and shape[j] == n][:1]
+    if len(changed) != 1 or shape[changed[0]] != n:
+      continue
+    label = u.out_labels[changed[0]]
+    if label[0] == "b" and label[1] > 0:
+      m = label[1]
+      relabels[u.uid] = {("b", k): ("b", k + 1 if k < m else 0)
+                         for k in range(m + 1)}
+  if other is not None:
+    for j, (t, t2) in enumerate(zip(tr.losses, other.losses)):
+      changed = [k for k, (a, b) in enumerate(zip(
+          t.values_shape, t2.values_shape)) if a != b]
+      if len(changed) == 1:
+        loss_axes[j] = changed[0]
+  return ex, relabels, loss_axes
+
+
+def relabel(use, mapping):
+  """Rename ``use``'s axis labels by ``mapping`` (in place), and set its
+  example size to that of its new ``("b", 0)`` axis."""
+  if not mapping:
+    return
+  use.in_labels = tuple(mapping.get(l, l) for l in use.in_labels)
+  use.out_labels = tuple(mapping.get(l, l) for l in use.out_labels)
+  use.examples = next(n for l, n in zip(use.out_labels, use.probe_aval.shape)
+                      if l == ("b", 0))

@@ -4,7 +4,8 @@ Uses are grouped by the parameter leaves they touch (a kernel and its bias,
 a scale and its shift, every use of a shared table). A group becomes one
 layer of the kind that takes its uses (``_kinds``); otherwise its leaves
 get one fallback layer whose ``reason`` says why. Detection chooses no
-curvature block: ``make_blocks`` (``_blocks``) does, afterwards.
+curvature block: ``make_blocks`` (``kfac_jax_lite._block_policy``) does,
+afterwards.
 """
 from __future__ import annotations
 

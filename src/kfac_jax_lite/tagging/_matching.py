@@ -23,12 +23,15 @@ import jax
 import jax.core  # Explicit, so that type checkers see jax.core.ShapedArray.
 import numpy as np
 
+from kfac_jax_lite.tagging import _scaled
 from kfac_jax_lite.tagging import _views
 from kfac_jax_lite.tagging._views import Sliced, View
 
 
-def _is_var(v):
+def is_var(v):
+  """Whether ``v`` is a jaxpr variable (not a literal)."""
   return not hasattr(v, "val")  # Literals carry .val
+
 
 
 class ViewMatching:
@@ -36,7 +39,6 @@ class ViewMatching:
 
   # Provided by _analysis.Analysis, which this is a mixin of.
   _record: Callable[..., None]
-  _record_dense: Callable[..., Any]
 
   def _single_consumer(self, var, ctx):
     cons = ctx["consumers"].get(var, [])
@@ -78,7 +80,7 @@ class ViewMatching:
       if eqn.primitive.name != "add" or j in ctx["claimed"]:
         continue
       other = [w for w in eqn.invars if w is not v]
-      if len(other) != 1 or not _is_var(other[0]):
+      if len(other) != 1 or not is_var(other[0]):
         continue
       bview = ctx["env"].get(other[0])
       if not isinstance(bview, View) or getattr(bview, "scales", ()):
@@ -153,6 +155,26 @@ class ViewMatching:
                             virtual=(tuple(sorted(kc)), tuple(free))))
     return None
 
+  def _record_dense(self, i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
+                    config):
+    """Records the dense use at equation ``i`` (input ``x``, kernel view
+    ``kv``), with the bias added right after it when there is one (then
+    the bias's output is the probed value)."""
+    probe_i, probe_aval = i, eqn.outvars[0].aval
+    roles, labels = {"kernel": kv}, tuple(out_labels)
+    stack = kv.stacked if ("L",) in labels else None
+    found = self._bias_add(eqn.outvars[0], labels, ctx, set(k_free), stack)
+    if found is not None and not same_block(kv, found, ctx):
+      found = None  # ``x @ W[:, :d] + b[d:]``: not the kernel's own bias.
+    if found is not None:
+      j, bview, labels = found
+      ctx["claimed"].add(j)
+      roles["bias"] = bview
+      probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
+    self._record("dense", roles, ctx, i, _scaled.capture(x, kv), x.aval,
+                 probe_i,
+                 probe_aval, in_labels, labels, config)
+
   def _broadcast_site(self, var, labels: tuple[tuple, ...], ctx):
     """Follow ``var`` (axes ``labels``) through single-consumer layout ops
     to an ``add`` that broadcasts it against an activation. Returns
@@ -166,7 +188,7 @@ class ViewMatching:
       if j is None:
         # A value returned by a jit/pjit: go on after the call.
         pc = ctx["parent"]
-        if (pc is None or ctx["consumers"].get(var) or not _is_var(var)
+        if (pc is None or ctx["consumers"].get(var) or not is_var(var)
             or list(ctx["jaxpr"].outvars).count(var) != 1):
           return None
         var = pc[0]["jaxpr"].eqns[pc[1]].outvars[
@@ -185,7 +207,7 @@ class ViewMatching:
       if name != "add" or j in ctx["claimed"]:
         return None
       other = [w for w in eqn.invars if w is not var]
-      if len(other) != 1 or not _is_var(other[0]) or other[0] in ctx["env"]:
+      if len(other) != 1 or not is_var(other[0]) or other[0] in ctx["env"]:
         return None
       out = eqn.outvars[0].aval
       if len(out.shape) != len(labels):
@@ -206,60 +228,7 @@ class ViewMatching:
       return (ctx["prefix"] + (j,), out, out_labels,
               tuple(out.shape[k] for k in new))
 
-  def _gather(self, i, eqn, views, ctx):
-    if views[1] is not None:
-      return "used as gather indices"
-    tv = views[0]
-    ind = eqn.invars[1]
-    dn = eqn.params["dimension_numbers"]
-    shape = tuple(eqn.invars[0].aval.shape)
-    sizes = tuple(eqn.params["slice_sizes"])
-    if (not tv.pure or len(shape) != 2 or dn.operand_batching_dims
-        or not np.issubdtype(ind.aval.dtype, np.integer)):
-      return "a gather that is not an embedding lookup"
-    va = [a for a in range(2) if sizes[a] == 1 and sizes[1 - a] == shape[1 - a]]
-    va = [a for a in va if a in dn.start_index_map]
-    if len(va) != 1 or shape[va[0]] == 1:
-      return "a gather that is not a row lookup of a 2-D table"
-    va = va[0]
-    if tv.dims[va] != len(tv.stacked):
-      return "an embedding table gathered along its second axis"
-    pos = list(dn.start_index_map).index(va)
-    n_idx = len(ind.aval.shape) - 1
-    out = eqn.outvars[0]
-    on = len(out.aval.shape)
-    kept = [a for a in range(2) if a not in dn.collapsed_slice_dims]
-    out_labels, b = [], 0
-    for q in range(on):
-      if q in dn.offset_dims:
-        a = kept[list(dn.offset_dims).index(q)]
-        out_labels.append(("u",) if a == va else ("k", tv.dims[a]))
-      else:
-        out_labels.append(("b", b))
-        b += 1
-    in_labels: list[tuple] = [("b", j) for j in range(n_idx)] + [("iv", pos)]
-    capture, cap_aval, probe_i, probe_aval = ("var", ind), ind.aval, i, out.aval
-    site, in_labels = self._lookup_site(out, out_labels, in_labels, ind, ctx)
-    if site is not None:
-      # Rows looked up without an example axis (``pos[jnp.arange(T)]``) and
-      # added to every example: probe the sum, where each example has its
-      # own cotangent, and broadcast the ids over the new leading axes.
-      probe_i, probe_aval, out_labels, new_sizes = site  # A full key.
-      m = len(new_sizes)
-      in_labels = [("b", j) for j in range(m)] + [
-          ("b", l[1] + m) if l[0] == "b" else l for l in in_labels]
-      shape = tuple(new_sizes) + tuple(ind.aval.shape)
-      capture = ("var", ind, shape)
-      cap_aval = ind.aval.update(shape=shape)
-    elif n_idx == 0:
-      return "an embedding lookup with no example axis"
-    self._record("embedding", {"table": tv}, ctx, i, capture, cap_aval,
-                 probe_i, probe_aval, in_labels, out_labels,
-                 dict(vocab_size=shape[va], dim=shape[1 - va], id_pos=pos))
-    return None
-
-  def _lookup_site(self, out, out_labels, in_labels: list[tuple], ind,
-                   ctx) -> tuple[Any, list[tuple]]:
+  def _lookup_site(self, out, out_labels, in_labels, ind, ctx):
     """``(site, in_labels)``: ``_broadcast_site`` of a lookup's output
     ``out``; for ids with unit axes (``pos[jnp.arange(T)[None]]``) not
     found as they are, with those axes taken as broadcast ones (the lookup

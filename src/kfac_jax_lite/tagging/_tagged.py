@@ -1,9 +1,7 @@
 """``find_layers``: trace, detect, and the rewritten loss."""
 from __future__ import annotations
 
-import copy
 import dataclasses
-import warnings
 from typing import Any, Callable
 
 import jax
@@ -11,9 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax_lite import blocks as B
-from kfac_jax_lite import losses
 from kfac_jax_lite.tagging import _analysis
-from kfac_jax_lite.tagging import _blocks
 from kfac_jax_lite.tagging import _examples
 from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
@@ -22,6 +18,7 @@ from kfac_jax_lite.tagging import _loss_heads
 from kfac_jax_lite.tagging import _rows
 from kfac_jax_lite.tagging import _losses
 from kfac_jax_lite.tagging import _vma
+from kfac_jax_lite.tagging._loss_tags import LossTag, find_loss_tags
 
 
 # The most model-output elements a loss head is evaluated at when the
@@ -79,70 +76,6 @@ class _Trace:
   unrecognised: list
 
 
-@dataclasses.dataclass(frozen=True)
-class LossTag:
-  """A registered loss found in the trace (``kfac_jax_lite.losses``).
-
-  ``uid`` keys its probe (on the per-element values) and its capture (the
-  model outputs followed by the targets) in ``apply``.
-  """
-
-  uid: int
-  key: tuple
-  distribution: Any
-  num_outputs: int
-  values_shape: tuple
-  values_dtype: Any
-  values_vma: frozenset = frozenset()  # under shard_map(check_vma=True)
-  # A loss recognised in the jaxpr (``_losses.Recognised``); None: registered.
-  recognised: Any = None
-  # The axis of the per-element values that is the examples' (not 0 only
-  # with ``example_axis=``: ``TaggedLoss._locate_examples``).
-  example_axis: int = 0
-
-  def split(self, captures):
-    """``(outputs, targets)``: this loss's captured model outputs and
-    targets, each a tuple (``captures`` from ``TaggedLoss.apply``)."""
-    caps = captures[self.uid]
-    return caps[:self.num_outputs], caps[self.num_outputs:]
-
-
-def find_loss_tags(jaxpr, prefix=(), where=""):
-  """``[(key, eqn)]`` of every loss tag, through call-like nested jaxprs."""
-  found = []
-  for i, eqn in enumerate(jaxpr.eqns):
-    key = prefix + (i,)
-    if eqn.primitive is losses.loss_tag_p:
-      if where:
-        raise ValueError(f"a registered loss inside `{where}` is not "
-                         "supported; compute the loss outside it")
-      found.append((key, eqn))
-      continue
-    inner = _analysis.inner_jaxpr(eqn)
-    if inner is not None:
-      found += find_loss_tags(inner[0], key + (0,), where)
-    else:
-      for sub in _sub_jaxprs(eqn):
-        found += find_loss_tags(sub, key + (0,), eqn.primitive.name)
-  return found
-
-
-def _sub_jaxprs(eqn):
-  for v in eqn.params.values():
-    for j in (v if isinstance(v, (tuple, list)) else (v,)):
-      if hasattr(j, "eqns"):
-        yield j
-      elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
-        yield j.jaxpr
-
-
-def _signature(u):
-  return (u.kind, tuple(sorted((r, v.leaf, v.stacked) for r, v in
-                               u.roles.items())),
-          u.in_labels, u.out_labels, len(u.levels), u.where,
-          tuple(sorted((k, repr(v)) for k, v in u.config.items())))
-
-
 class TaggedLoss:
   """The layers of ``loss_fn`` and its rewritten, probe-taking version.
 
@@ -167,7 +100,7 @@ class TaggedLoss:
     self._heads_memo = _loss_heads.Memo()
     # ``example_axis=``: per use uid, its labels renamed so that the
     # examples' axis is ``("b", 0)``; per loss index, its values' example
-    # axis (``_locate_examples``; applied to every trace).
+    # axis (``_examples.located``; applied to every trace).
     self._relabels, self._loss_axes = {}, {}
     axes = (None if example_axis is None
             else _examples.resolve(batch, example_axis))
@@ -178,11 +111,14 @@ class TaggedLoss:
       self.examples = _examples.guess_hints(_examples.find(batch, tr.uses),
                                             batch, tr.uses)
       if self.examples.hints:
-        self._scanned_examples(tr, params, batch)
+        self.examples = _examples.scanned(self._trace, tr, self.examples,
+                                          params, batch)
     else:
       self.examples = _examples.given(batch, axes)
       if any(a not in (None, 0) for a in axes):
-        tr = self._locate_examples(tr, params, batch, axes)
+        self.examples, self._relabels, self._loss_axes = _examples.located(
+            self._trace, tr, self.examples, params, batch, axes)
+        tr = self._trace(params, batch)
     self._uses = tr.uses
     # The examples are the loss's when it has them (a graph network's loss
     # has one per graph, its layers a row per node or edge); a layer whose
@@ -206,18 +142,25 @@ class TaggedLoss:
     self.unrecognised = tuple(tr.unrecognised)
     self.closed = tr.closed
     self._active = sorted(u for l in self.layers for u in l.use_ids)
-    self._signatures = {i: _signature(tr.uses[i]) for i in self._active}
+    self._signatures = {i: _examples.signature(tr.uses[i]) for i in self._active}
 
   def with_blocks(self, overrides=None, *, damping_mode="pi",
                   weight_sharing="expand") -> "TaggedLoss":
     """The same detection (no re-trace) with every layer's block chosen by
-    ``make_blocks(layers, overrides, damping_mode=, weight_sharing=)``."""
-    blocks = _blocks.make_blocks(self.layers, overrides,
-                                 damping_mode=damping_mode,
-                                 weight_sharing=weight_sharing)
-    new = copy.copy(self)
-    new.layers = tuple(dataclasses.replace(l, block=b)
-                       for l, b in zip(self.layers, blocks))
+    the block policy (``kfac_jax_lite._block_policy.with_blocks``)."""
+    from kfac_jax_lite import _block_policy  # Above tagging: at call time.
+    return _block_policy.with_blocks(self, overrides,
+                                     damping_mode=damping_mode,
+                                     weight_sharing=weight_sharing)
+
+  def replace(self, **changes) -> "TaggedLoss":
+    """A new ``TaggedLoss`` with the attributes ``changes`` (e.g.
+    ``layers``) and this one's others; this one is left as it is."""
+    unknown = sorted(set(changes) - set(vars(self)))
+    if unknown:
+      raise TypeError(f"TaggedLoss has no attribute {unknown}")
+    new = object.__new__(type(self))
+    new.__dict__.update(vars(self), **changes)
     return new
 
   @property
@@ -277,83 +220,9 @@ class TaggedLoss:
                     self._loss_axes.get(j, 0))
             for j, (key, eqn) in enumerate(find_loss_tags(closed.jaxpr))]
     for u in uses:
-      _relabel(u, self._relabels.get(u.uid))
+      _examples.relabel(u, self._relabels.get(u.uid))
     return _Trace(closed, jax.tree.structure(out_shape), uses, opaque, tags,
                   penalties, unrecognised)
-
-  def _scanned_examples(self, tr, params, batch):
-    """When the leading axis was a guess (``ExampleAxis.hints``): trace
-    once more with it one longer; if a ``lax.scan`` that applies a layer
-    gets longer, the axis taken as the examples is a time axis (time-major
-    data): say so in the hint and warn (``UserWarning``), as the
-    statistics will be those of time steps as examples."""
-    ex = self.examples
-    axes: list[int | None] = [None] * len(jax.tree.leaves(batch))
-    for i in ex.leaves:
-      axes[i] = 0
-    try:
-      assert ex.size is not None  # A guessed axis has a size.
-      other = self._trace(params, _examples.moved(batch, axes, ex.size + 1))
-    except Exception:  # noqa: BLE001 (a loss tied to its batch size)
-      return
-    if len(other.uses) != len(tr.uses) or not any(
-        [n for _, n in u.levels] != [n for _, n in v.levels]
-        for u, v in zip(tr.uses, other.uses)):
-      return
-    hint = (f"{ex.hints[0]}. A lax.scan runs over the axis taken (the "
-            "data look time-major)")
-    self.examples = dataclasses.replace(ex, hints=(hint,) + ex.hints[1:])
-    warnings.warn(f"kfac_jax_lite: {hint}", UserWarning, stacklevel=4)
-
-  def _locate_examples(self, tr, params, batch, axes):
-    """``tr`` with the examples' axis of every layer use and loss found
-    for ``example_axis=`` (``axes`` per batch leaf, from
-    ``_examples.resolve``): the loss is traced again with the example axes
-    one longer, and the axis of each use's output (each loss's values)
-    whose size changed is the examples'. A use whose example axis is a
-    later activation axis is relabelled to make it ``("b", 0)`` (the
-    layer's data then has the examples first, ``_format.arrange``); a use
-    whose changed axis is not the examples' alone (``h.reshape(-1, d)``
-    merging them with time) keeps its labels (its rows are uses,
-    ``Layer.row_uses``). When the loss does not trace at that size (or
-    traces to other layers), the first activation axis of the examples'
-    size is taken as theirs."""
-    n = self.examples.size
-    assert n is not None  # example_axis= gives a size (_examples.given).
-    try:
-      other = self._trace(params, _examples.moved(batch, axes, n + 1))
-      if [_signature(u) for u in other.uses] != [_signature(u)
-                                                 for u in tr.uses]:
-        other = None
-    except Exception:  # noqa: BLE001 (a loss tied to its batch size)
-      other = None
-    if other is None:
-      self.examples = dataclasses.replace(self.examples, hints=(
-          f"example axis guessed: the loss does not trace the same with "
-          f"{n + 1} examples, so each layer's example axis is its first "
-          f"activation axis of size {n}",))
-    for u in tr.uses:
-      shape = u.probe_aval.shape
-      if other is not None:
-        changed = [j for j, (a, b) in enumerate(zip(
-            shape, other.uses[u.uid].probe_aval.shape)) if a != b]
-      else:
-        changed = [j for j, l in enumerate(u.out_labels)
-                   if l[0] == "b" and shape[j] == n][:1]
-      if len(changed) != 1 or shape[changed[0]] != n:
-        continue
-      label = u.out_labels[changed[0]]
-      if label[0] == "b" and label[1] > 0:
-        m = label[1]
-        self._relabels[u.uid] = {("b", k): ("b", k + 1 if k < m else 0)
-                                 for k in range(m + 1)}
-    if other is not None:
-      for j, (t, t2) in enumerate(zip(tr.losses, other.losses)):
-        changed = [k for k, (a, b) in enumerate(zip(
-            t.values_shape, t2.values_shape)) if a != b]
-        if len(changed) == 1:
-          self._loss_axes[j] = changed[0]
-    return self._trace(params, batch)
 
   def _recognise(self, closed, params, batch):
     """``_losses.recognise`` of the traced ``closed``. A head too large to
@@ -386,7 +255,7 @@ class TaggedLoss:
     same = lambda t: (len(t.key), t.distribution, t.num_outputs)
     same_losses = list(map(same, tr.losses)) == list(map(same, self.losses))
     for i in self._active if same_losses else [-1]:
-      if i < 0 or i >= len(tr.uses) or _signature(tr.uses[i]) != self._signatures[i]:
+      if i < 0 or i >= len(tr.uses) or _examples.signature(tr.uses[i]) != self._signatures[i]:
         raise RuntimeError(
             "layer detection differs from the one at construction (the "
             "loss traces differently for this batch); re-create the "
@@ -565,17 +434,6 @@ class TaggedLoss:
     # A layer of ``row_uses`` gives one pseudo-example: the sum over the
     # batch of the per-example gradients, ``[S?, 1, *shape]``.
     return out
-
-
-def _relabel(use, mapping):
-  """Rename ``use``'s axis labels by ``mapping`` (in place), and set its
-  example size to that of its new ``("b", 0)`` axis."""
-  if not mapping:
-    return
-  use.in_labels = tuple(mapping.get(l, l) for l in use.in_labels)
-  use.out_labels = tuple(mapping.get(l, l) for l in use.out_labels)
-  use.examples = next(n for l, n in zip(use.out_labels, use.probe_aval.shape)
-                      if l == ("b", 0))
 
 
 def find_layers(loss_fn: Callable, params, batch, *, has_aux=False,

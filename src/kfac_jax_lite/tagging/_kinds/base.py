@@ -5,12 +5,17 @@ fields are the configuration of one detected layer of that kind (a kernel's
 shape and contracted axes, a convolution's window, ...), and its methods
 are everything the library does differently per kind:
 
+* ``recognise(walk, i, eqn, views, ctx)`` (classmethod) — the recogniser
+  of the graph walk for the ``primitives`` it names: records a use of
+  parameters at equation ``i`` (``walk._record``) and returns None, or
+  returns why they are not a layer there, or ``NotImplemented`` (not this
+  kind's: the next kind that handles the primitive is asked);
 * ``group(uses, leaf_shapes, depth)`` (classmethod) — the spec of a group
   of compatible uses of the same parameters, or ``Unsupported(reason)``;
 * ``param_shapes`` — the parameters of its block, in block order;
 * ``default_block(damping_mode=, weight_sharing=)`` and
   ``block_for(choice, default)`` / ``with_options(default, options)`` —
-  the curvature block for a ``blocks=`` choice (see ``tagging._blocks``);
+  the curvature block for a ``blocks=`` choice (see ``kfac_jax_lite._block_policy``);
 * ``data(uses, captures, cotangents, stacked)`` — the captured layer
   inputs and output cotangents in the layout its blocks' ``compute_stats``
   reads (``LayerData.inputs``/``.cotangents``);
@@ -21,7 +26,11 @@ are everything the library does differently per kind:
 
 Class attributes: ``name`` (the registry key, ``Layer.kind`` unless the
 spec reports otherwise), ``patterns`` (the use patterns of the graph walk,
-``Use.kind``, that a group of this kind may contain).
+``Use.kind``, that a group of this kind may contain), ``primitives`` (the
+jaxpr primitives its ``recognise`` handles), ``takes_scaled`` (whether a
+parameter scaled by a stop-gradient scalar may reach them: dense and conv
+kernels), ``takes_reshaped`` (whether concatenated, regrouped or sliced
+views reach its ``recognise``: dense kernels).
 """
 from __future__ import annotations
 
@@ -51,6 +60,24 @@ class LayerSpec(abc.ABC):
   name: ClassVar[str]
   patterns: ClassVar[frozenset] = frozenset()
   is_fallback: ClassVar[bool] = False
+  primitives: ClassVar[tuple] = ()
+  takes_scaled: ClassVar[bool] = False
+  takes_reshaped: ClassVar[bool] = False
+
+  @classmethod
+  def recognise(cls, walk, i, eqn, views, ctx):
+    """Records the use of parameters at equation ``eqn`` (index ``i``).
+
+    ``walk``: the graph walk (``_analysis.Analysis``: ``_record`` a use, and
+    the shared matchers of ``_matching.ViewMatching``); ``views``: per input
+    of ``eqn`` the parameter view it carries (None: not a parameter);
+    ``ctx``: the walk's context (the jaxpr, its variables' views and
+    consumers, the equations already claimed). Returns None once a use is
+    recorded, a reason string when the parameters are not a layer of this
+    kind there, or ``NotImplemented`` to let another kind try.
+    """
+    del walk, i, eqn, views, ctx
+    return NotImplemented
 
   @classmethod
   @abc.abstractmethod

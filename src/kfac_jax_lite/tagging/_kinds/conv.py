@@ -31,6 +31,7 @@ from jax import lax
 
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite.tagging import _format as F
+from kfac_jax_lite.tagging import _scaled
 from kfac_jax_lite.tagging._kinds.base import Grouping, LayerSpec, Unsupported
 
 
@@ -40,6 +41,8 @@ class ConvSpec(LayerSpec):
 
   name = "conv"
   patterns = frozenset({"conv"})
+  primitives = ("conv_general_dilated",)
+  takes_scaled = True
 
   kernel_shape: tuple
   window_strides: tuple
@@ -66,6 +69,60 @@ class ConvSpec(LayerSpec):
   def _window(self):
     """The ``ConvConfig`` of the layer (its window, bias and repeats)."""
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  @classmethod
+  def recognise(cls, walk, i, eqn, views, ctx):
+    """A ``conv_general_dilated`` with a parameter kernel (the rhs), with
+    the bias added to its output in the conv's own output layout."""
+    if views[0] is not None:
+      return "the parameter is the input (lhs) of a convolution"
+    kv = views[1]
+    base = len(kv.stacked)
+    if kv.dims != tuple(range(base, len(kv.leaf_shape))):
+      return "a transposed or broadcast convolution kernel"
+    p = eqn.params
+    if p.get("batch_group_count", 1) != 1:
+      return "a convolution with batch_group_count > 1"
+    lhs, out = eqn.invars[0], eqn.outvars[0]
+    dn = p["dimension_numbers"]
+    nd = len(lhs.aval.shape)
+    in_labels = [("c", q) for q in range(nd)]
+    out_labels = [("c", q) for q in range(nd)]
+    roles = {"kernel": kv}
+    probe_i, probe_aval, labels = i, out.aval, out_labels
+    found = walk._bias_add(out, tuple(out_labels), ctx, {("c", dn.out_spec[1])})
+    if found is not None and (tuple(ctx["jaxpr"].eqns[found[0]].outvars[
+        0].aval.shape) != tuple(out.aval.shape) or any(
+            l != m and not (l == ("u",) and n == 1) for l, m, n in
+            zip(found[2], out_labels, out.aval.shape))):
+      # The conv block reads cotangents in the conv's output layout: a bias
+      # added after a reshape or slice stays a block of its own (a shift).
+      found = None
+    elif found is not None:  # Unit axes moved (one output channel, vmap).
+      found = found[:2] + (out_labels,)
+    if found is not None:
+      j, bview, labels = found
+      ctx["claimed"].add(j)
+      roles["bias"] = bview
+      probe_i, probe_aval = j, ctx["jaxpr"].eqns[j].outvars[0].aval
+    padding = p["padding"]
+    if isinstance(padding, str):
+      return "a convolution with string padding"
+    config = dict(
+        kernel_shape=tuple(kv.leaf_shape[base:]),
+        window_strides=tuple(p["window_strides"]),
+        padding=tuple(tuple(int(x) for x in pr) for pr in padding),
+        lhs_dilation=tuple(p["lhs_dilation"]),
+        rhs_dilation=tuple(p["rhs_dilation"]),
+        dimension_numbers=lax.ConvDimensionNumbers(
+            tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)),
+        feature_group_count=p["feature_group_count"],
+        precision=p.get("precision"))
+    walk._record("conv", roles, ctx, i, _scaled.capture(lhs, kv), lhs.aval,
+                 probe_i,
+                 probe_aval, in_labels, labels, config,
+                 examples=lhs.aval.shape[dn.lhs_spec[0]])
+    return None
 
   @classmethod
   def group(cls, uses, leaf_shapes, depth):

@@ -27,6 +27,8 @@ import numpy as np
 
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite.tagging import _format as F
+from kfac_jax_lite.tagging import _joined
+from kfac_jax_lite.tagging._views import Regrouped, Sliced
 from kfac_jax_lite.tagging._kinds.base import Grouping, LayerSpec, Unsupported
 
 
@@ -57,6 +59,9 @@ class DenseSpec(LayerSpec):
 
   name = "dense"
   patterns = frozenset({"dense", "embedding"})
+  primitives = ("dot_general",)
+  takes_scaled = True
+  takes_reshaped = True
 
   kernel_shape: tuple
   in_axes: tuple
@@ -96,6 +101,67 @@ class DenseSpec(LayerSpec):
     k = tuple(self.kernel_shape)
     out = tuple(k[a] for a in self.out_axes)
     return (k,) + ((out,) if self.has_bias else ())
+
+  # ---------------------------------------------------------- recognising
+  @classmethod
+  def recognise(cls, walk, i, eqn, views, ctx):
+    """A ``dot_general`` with one kernel operand: ``y = x ·_{in_axes} W``
+    (a reshaped, concatenated or sliced kernel included), recorded with
+    the bias added right after it (``walk._record_dense``)."""
+    if views[0] is not None and views[1] is not None:
+      return "multiplied (dot_general) by another parameter"
+    k = 0 if views[0] is not None else 1
+    kv = views[k]
+    if isinstance(kv, Regrouped):
+      return walk._dense_regrouped(i, eqn, k, kv, ctx)
+    if isinstance(kv, _joined.Joined):
+      return walk._dense_joined(i, eqn, k, kv, ctx)
+    sliced = isinstance(kv, Sliced)
+    if not kv.pure and not (sliced and None not in kv.dims):
+      return "broadcast or reshaped before dot_general"
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    kc, xc = (lc, rc) if k == 0 else (rc, lc)
+    kb, xb = (lb, rb) if k == 0 else (rb, lb)
+    if kb:
+      # Per-head kernels ``W [h, d, e]`` in ``"nhtd,hde->nhte"``: h
+      # independent dense layers, a layer stacked along its leading axis.
+      if len(kb) > 1 or sliced or kv.stacked or kv.dims[kb[0]] != 0:
+        return ("a dot_general batch dimension on the kernel other than "
+                "one leading axis (per-group weights)")
+      kv = dataclasses.replace(kv, stacked=(("batch",) + ctx["prefix"]
+                                            + (i,),))
+      kc = tuple(kc)
+    x = eqn.invars[1 - k]
+    xnd, knd = len(x.aval.shape), len(kv.dims)
+    in_labels, b = [], 0
+    for d in range(xnd):
+      if d in xc:
+        in_labels.append(("k", kv.dims[kc[list(xc).index(d)]]))
+      elif d in xb:
+        in_labels.append(("L",))
+      else:
+        in_labels.append(("b", b))
+        b += 1
+    if b == 0:
+      return "dot_general with an input that has no example axis"
+    x_free = [("b", j) for j in range(b)]
+    k_free = [("k", kv.dims[d]) for d in range(knd)
+              if d not in kc and d not in kb]
+    out_labels = [("L",)] * len(kb) + (
+        k_free + x_free if k == 0 else x_free + k_free)
+    if not k_free:
+      return "a dot_general that contracts every kernel axis"
+    base = len(kv.stacked)
+    in_axes = tuple(sorted(kv.dims[d] - base for d in kc))
+    config = dict(in_axes=in_axes, kernel_shape=tuple(kv.leaf_shape[base:]))
+    if sliced:
+      window = kv.window[base:]
+      if any(window[a] != (0, config["kernel_shape"][a]) for a in in_axes):
+        return "sliced along a contracted (input) axis before dot_general"
+      config.update(window=window, source=walk._source(x, ctx))
+    walk._record_dense(i, eqn, x, kv, in_labels, out_labels, k_free, ctx,
+                       config)
+    return None
 
   # ------------------------------------------------------------- grouping
   @classmethod

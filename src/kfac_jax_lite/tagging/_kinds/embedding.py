@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite.tagging import _format as F
@@ -23,6 +24,7 @@ class EmbeddingSpec(LayerSpec):
 
   name = "embedding"
   patterns = frozenset({"embedding"})
+  primitives = ("gather",)
 
   vocab_size: int
   dim: int
@@ -30,6 +32,62 @@ class EmbeddingSpec(LayerSpec):
   @property
   def param_shapes(self):
     return ((self.vocab_size, self.dim),)
+
+  @classmethod
+  def recognise(cls, walk, i, eqn, views, ctx):
+    """A ``gather`` of rows of a 2-D table with integer ids (``E[ids]``),
+    or of rows looked up once and added to every example
+    (``walk._lookup_site``)."""
+    if views[1] is not None:
+      return "used as gather indices"
+    tv = views[0]
+    ind = eqn.invars[1]
+    dn = eqn.params["dimension_numbers"]
+    shape = tuple(eqn.invars[0].aval.shape)
+    sizes = tuple(eqn.params["slice_sizes"])
+    if (not tv.pure or len(shape) != 2 or dn.operand_batching_dims
+        or not np.issubdtype(ind.aval.dtype, np.integer)):
+      return "a gather that is not an embedding lookup"
+    va = [a for a in range(2) if sizes[a] == 1 and sizes[1 - a] == shape[1 - a]]
+    va = [a for a in va if a in dn.start_index_map]
+    if len(va) != 1 or shape[va[0]] == 1:
+      return "a gather that is not a row lookup of a 2-D table"
+    va = va[0]
+    if tv.dims[va] != len(tv.stacked):
+      return "an embedding table gathered along its second axis"
+    pos = list(dn.start_index_map).index(va)
+    n_idx = len(ind.aval.shape) - 1
+    out = eqn.outvars[0]
+    on = len(out.aval.shape)
+    kept = [a for a in range(2) if a not in dn.collapsed_slice_dims]
+    out_labels, b = [], 0
+    for q in range(on):
+      if q in dn.offset_dims:
+        a = kept[list(dn.offset_dims).index(q)]
+        out_labels.append(("u",) if a == va else ("k", tv.dims[a]))
+      else:
+        out_labels.append(("b", b))
+        b += 1
+    in_labels = [("b", j) for j in range(n_idx)] + [("iv", pos)]
+    capture, cap_aval, probe_i, probe_aval = ("var", ind), ind.aval, i, out.aval
+    site, in_labels = walk._lookup_site(out, out_labels, in_labels, ind, ctx)
+    if site is not None:
+      # Rows looked up without an example axis (``pos[jnp.arange(T)]``) and
+      # added to every example: probe the sum, where each example has its
+      # own cotangent, and broadcast the ids over the new leading axes.
+      probe_i, probe_aval, out_labels, new_sizes = site  # A full key.
+      m = len(new_sizes)
+      in_labels = [("b", j) for j in range(m)] + [
+          ("b", l[1] + m) if l[0] == "b" else l for l in in_labels]
+      shape = tuple(new_sizes) + tuple(ind.aval.shape)
+      capture = ("var", ind, shape)
+      cap_aval = ind.aval.update(shape=shape)
+    elif n_idx == 0:
+      return "an embedding lookup with no example axis"
+    walk._record("embedding", {"table": tv}, ctx, i, capture, cap_aval,
+                 probe_i, probe_aval, in_labels, out_labels,
+                 dict(vocab_size=shape[va], dim=shape[1 - va], id_pos=pos))
+    return None
 
   @classmethod
   def group(cls, uses, leaf_shapes, depth):

@@ -1,8 +1,15 @@
-"""``make_blocks``: the curvature block of every detected layer.
+"""The block policy: the curvature block of every detected layer.
 
-Detection (``find_layers``) finds layers; this chooses their curvature, so
-the damping and sharing policy never reaches the graph walk and changing it
-does not re-trace. Overrides (``blocks=``) map a parameter path (an exact
+Detection (``tagging.find_layers``) finds layers and returns them without
+blocks (``Layer.block`` None); this module, above both ``tagging`` and
+``blocks``, chooses their curvature (``make_blocks``) and gives the
+detection with them (``with_blocks``: a new ``TaggedLoss`` of new
+``Layer`` records, the detection itself unchanged), so the damping and
+sharing policy never reaches the graph walk and changing it does not
+re-trace. What a layer of each kind gets is its kind's to say (its spec's
+``default_block``, ``block_for`` and ``with_options``, in
+``tagging/_kinds/<kind>.py``), so a new kind brings its blocks with it;
+this module applies the overrides and the stacking. Overrides (``blocks=``) map a parameter path (an exact
 path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
 (``"dense"``, ``"conv"``, ``"embedding"``, ``"scale_and_shift"``,
 ``"fallback"``) to one of:
@@ -34,7 +41,7 @@ import fnmatch
 import typing
 
 from kfac_jax_lite import blocks as B
-from kfac_jax_lite.tagging._kinds import KINDS
+from kfac_jax_lite.tagging import _kinds
 
 SERIES_CHOICES = ("series1", "series2", "kron_indep")
 CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal", "ekfac"
@@ -46,7 +53,7 @@ def find_override(overrides, paths, kind):
   if not overrides:
     return None
   for pattern, choice in overrides.items():
-    if pattern in KINDS:
+    if pattern in _kinds.REGISTRY:
       continue
     if any(p == pattern or fnmatch.fnmatchcase(p, pattern) for p in paths):
       return choice
@@ -63,6 +70,18 @@ def make_blocks(layers, overrides=None, *, damping_mode="pi",
   """
   return tuple(_block(l, find_override(overrides, l.params, l.kind),
                       damping_mode, weight_sharing) for l in layers)
+
+
+def with_blocks(tagged, overrides=None, *, damping_mode="pi",
+                weight_sharing="expand"):
+  """``tagged`` (a ``TaggedLoss``) with every layer's block chosen by
+  ``make_blocks(tagged.layers, overrides, damping_mode=, weight_sharing=)``:
+  a new ``TaggedLoss`` sharing the detection (no re-trace), whose layers are
+  new ``Layer`` records; ``tagged`` is left as it is."""
+  chosen = make_blocks(tagged.layers, overrides, damping_mode=damping_mode,
+                       weight_sharing=weight_sharing)
+  return tagged.replace(layers=tuple(
+      dataclasses.replace(l, block=b) for l, b in zip(tagged.layers, chosen)))
 
 
 def _block(layer, override, damping_mode, weight_sharing):
