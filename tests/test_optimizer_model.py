@@ -78,3 +78,50 @@ def test_reduction_ratio():
     assert rr(2.25, 2.0, -1.0) == -0.25
     # A non-finite new loss: -inf (λ rises).
     assert rr(np.nan, 2.0, -1.0) == -np.inf
+
+
+def test_model_every_reuses_alpha_and_mu_between_model_steps():
+  """``model_every=3``: the quadratic model is solved on the first step and
+  on steps 3, 6, ... (the state's count after the update); the steps between
+  carry the last ``α, μ`` (the step is ``α Δ + μ δ`` with them), and the
+  first step equals ``model_every=1``'s, in float64."""
+  import jax
+  import optax
+  import kfac_jax_lite as kfl
+  with x64_mode(True):
+    rng = np.random.default_rng(0)
+    params = {"w1": jnp.asarray(rng.standard_normal((4, 6))),
+              "w2": jnp.asarray(rng.standard_normal((6, 3)))}
+    batch = {"x": jnp.asarray(rng.standard_normal((16, 4))),
+             "y": jnp.asarray(rng.integers(0, 3, 16))}
+
+    def loss_fn(p, b):
+      logits = jnp.tanh(b["x"] @ p["w1"]) @ p["w2"]
+      return kfl.softmax_cross_entropy_with_integer_labels(
+          logits, b["y"]).mean()
+
+    def run(k, steps):
+      opt = kfl.kfac_optimizer(loss_fn, batch, model_every=k,
+                               damping_adaptation_interval=6)
+
+      @jax.jit
+      def step(p, s):
+        g = jax.grad(loss_fn)(p, batch)
+        u, s = opt.update(g, s, p, batch=batch)
+        return optax.apply_updates(p, u), s, u
+      p, s, out = params, opt.init(params), []
+      for _ in range(steps):
+        p, s, u = step(p, s)
+        out.append((float(s.learning_rate), float(s.momentum), u))
+      return out, p
+
+    every, _ = run(3, 7)
+    alphas = [a for a, _, _ in every]
+    assert alphas[1] == alphas[0] and alphas[3] == alphas[4] == alphas[2]
+    assert alphas[6] == alphas[5] and len(set(alphas[i] for i in (0, 2, 5))) == 3
+    once, _ = run(1, 1)
+    np.testing.assert_allclose(every[0][0], once[0][0], rtol=1e-12)
+    for x, y in zip(jax.tree.leaves(every[0][2]), jax.tree.leaves(once[0][2])):
+      np.testing.assert_allclose(x, y, rtol=1e-12)
+    with pytest.raises(ValueError, match="model_every"):
+      kfl.kfac_optimizer(loss_fn, batch, model_every=4)
