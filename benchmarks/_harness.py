@@ -164,12 +164,9 @@ def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
                    style=style,
                    note="other kfl.kfac settings at their defaults; the "
                    "defaults' runs compete"),
-      optax_family("kfac_opt", "kfl.kfac_optimizer", {"model_every": [1]},
-                   lambda model_every: kfl.kfac_optimizer(
-                       loss_fn, example, model_every=model_every),
-                   style="batch=",
-                   note="defaults (model_every=1); --set kfac_opt.model_every"
-                   "=1,5 to solve the quadratic model every 5th step")]
+      optax_family("kfac_opt", "kfl.kfac_optimizer", {},
+                   lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
+                   note="defaults")]
 
 
 def grid(**values) -> list[dict]:

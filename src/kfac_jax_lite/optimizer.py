@@ -214,7 +214,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
                    damping_adaptation_interval: int = 5, l2_reg: float = 0.0,
                    curvature: str = "ggn", use_momentum: bool = True,
                    max_momentum: float = 0.99, has_aux: bool = False,
-                   model_every: int = 1, **kfac_options: Any
+                   **kfac_options: Any
                    ) -> optax.GradientTransformationExtraArgs:
   """The Martens–Grosse K-FAC optimizer (module docstring).
 
@@ -256,14 +256,6 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     max_momentum: ``μ`` is kept in ``[0, max_momentum]`` (and ``α``
       re-minimised for the clipped ``μ``); in ``[0, 1)``.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    model_every: ``k``, a positive int dividing
-      ``damping_adaptation_interval``: the quadratic model (its two
-      forward-mode products and the pass for the loss weights, the dearest
-      part of a step) is solved on the first step and every ``k``-th
-      (``count % k == 0``); the steps between reuse its last ``α`` and
-      ``μ`` along their own ``Δ`` and ``δ``. The damping adapts only on
-      model steps, which the divisibility makes every adaptation step.
-      ``1`` (the default) is Martens & Grosse's optimizer.
     **kfac_options: passed to ``kfl.kfac`` (``estimation``, ``num_samples``,
       ``cov_decay``, ``inverse_every``, ``damping_mode``, ``stats_fraction``,
       ``blocks``, ``exclude``, ``axis_name``, ``inverse_method``,
@@ -298,11 +290,6 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
   _require(l2_reg >= 0, f"l2_reg must be >= 0, got {l2_reg!r}")
   _require(0 <= max_momentum < 1,
            f"max_momentum must be in [0, 1), got {max_momentum!r}")
-  _require(isinstance(model_every, int) and model_every >= 1
-           and damping_adaptation_interval % model_every == 0,
-           "model_every must be a positive int dividing "
-           f"damping_adaptation_interval ({damping_adaptation_interval}), got "
-           f"{model_every!r}")
   interval = damping_adaptation_interval
   # No KL clipping by default: the quadratic model chooses the step length
   # (α, μ), so rescaling the direction would only rescale the reported α
@@ -364,19 +351,9 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     first = kstate.count == 1
     vel = state.velocity
     dirs = jax.tree.map(lambda a, b: jnp.stack([a, b.astype(a.dtype)]), delta, vel)
-    model_step = first | (kstate.count % model_every == 0)
-
-    def solve_model(_):
-      forms, batch_loss = device_mean(_curvature_forms(
-          tagged, params, batch, dirs, curvature))
-      return forms.astype(dtype), jnp.asarray(batch_loss, dtype)
-
-    def skip_model(_):  # Reuse the last α, μ: no products (model_every).
-      return jnp.zeros((2, 2), dtype), jnp.asarray(jnp.nan, dtype)
-    if model_every == 1:
-      forms, loss = solve_model(None)
-    else:
-      forms, loss = jax.lax.cond(model_step, solve_model, skip_model, None)
+    forms, loss = device_mean(_curvature_forms(tagged, params, batch, dirs,
+                                               curvature))
+    forms = forms.astype(dtype)
     gram = jnp.array([[_tree_dot(delta, delta), _tree_dot(delta, vel)],
                       [_tree_dot(vel, delta), _tree_dot(vel, vel)]], dtype)
     b = jnp.array([_tree_dot(updates, delta), _tree_dot(updates, vel)], dtype)
@@ -384,9 +361,6 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     q = q_undamped + lam * gram
     coeffs = quadratic_model_step(q, b, use_momentum=(~first) & use_momentum,
                                   max_momentum=max_momentum)
-    if model_every > 1:
-      last = jnp.stack([state.learning_rate, state.momentum]).astype(dtype)
-      coeffs = jnp.where(model_step, coeffs, last)
     alpha, mu = coeffs[0], coeffs[1]
     step = jax.tree.map(
         lambda d, v: (alpha * d + mu * v.astype(d.dtype)).astype(d.dtype),
