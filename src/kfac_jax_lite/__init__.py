@@ -17,6 +17,8 @@ view, ``docs/design.md`` the design brief: conventions and cost model):
   and its named stages; ``optimizer.py`` — ``kfac_optimizer``, Martens &
   Grosse's optimizer with adaptive damping; ``eigen_adam.py`` —
   ``eigen_adam``, Adam in the factors' eigenbasis (SOAP-like);
+* ``sharding.py`` — the sharded layout of ``kfac``'s state (each block
+  kept by one device) and its checkpoint conversions;
 * ``laplace/`` — Laplace posteriors from the same curvature; ``health.py``
   — the health counters of a state.
 
@@ -32,6 +34,7 @@ from kfac_jax_lite import estimators as estimators
 from kfac_jax_lite import factor as factor
 from kfac_jax_lite import laplace as laplace
 from kfac_jax_lite import losses as losses
+from kfac_jax_lite import sharding as sharding
 from kfac_jax_lite import tagging as tagging
 
 # The user API.
@@ -85,5 +88,6 @@ __all__ = [
     # low level (docs/design.md)
     "FactorState", "update_cov", "damped_matpower", "multiply_inverse",
     # submodules
-    "blocks", "estimators", "factor", "laplace", "losses", "tagging",
+    "blocks", "estimators", "factor", "laplace", "losses", "sharding",
+    "tagging",
 ]

@@ -29,6 +29,7 @@ from jax.typing import ArrayLike
 from kfac_jax_lite import _health_state
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite import optimizer
+from kfac_jax_lite import sharding
 from kfac_jax_lite import transform
 
 
@@ -261,7 +262,10 @@ def health(state: optax.OptState,
                 _total(s.num_nonfinite_params) // devices,
                 _total(s.num_bad_damping) // devices,
                 _total(s.num_bad_updates) // devices)
-    blocks = [c // devices for c in _block_counts(s.blocks)]
+    if isinstance(s.blocks, sharding.ShardedBlocks):  # Each block once.
+      blocks = list(_block_counts(sharding.unshard_blocks(s.blocks)))
+    else:
+      blocks = [c // devices for c in _block_counts(s.blocks)]
     h = s.health
     clipped = _total(h.num_clipped) // devices
     totals += np.array(list(counters) + blocks + [clipped], np.int64)

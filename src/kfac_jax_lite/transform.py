@@ -76,10 +76,13 @@ from kfac_jax_lite import _block_policy
 from kfac_jax_lite import _detection
 from kfac_jax_lite import _first_step
 from kfac_jax_lite import _health_state
+from kfac_jax_lite import _sharded_step
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
+from kfac_jax_lite import sharding
 from kfac_jax_lite import tagging
 from kfac_jax_lite._dtypes import float_dtype
+from kfac_jax_lite.blocks import base as blocks_base
 from kfac_jax_lite._safeguards import clip, guard, inner_product  # noqa: F401
 # The stages of ``update`` (module docstring), public here as before.
 from kfac_jax_lite._stages import (  # noqa: F401
@@ -140,6 +143,30 @@ def _check_axis_name(axis_name, params, data):
         "axis), as under pmap")
 
 
+LAYOUTS = ("replicated", "sharded")
+
+
+def _check_layout(layout, axis_name, mesh):
+  """The layout to use (``kfac``'s ``layout`` and ``mesh``), or a
+  ``ValueError`` naming what is missing."""
+  if layout is None:
+    layout = "sharded" if mesh is not None else "replicated"
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS} (or None), got "
+                     f"{layout!r}")
+  if mesh is not None:
+    if axis_name is None or axis_name not in getattr(mesh, "axis_names", ()):
+      raise ValueError(
+          f"kfl.kfac(mesh=...): axis_name must name one of the mesh's axes "
+          f"{tuple(getattr(mesh, 'axis_names', ()))}, got {axis_name!r}")
+  if layout == "sharded" and (axis_name is None
+                              or isinstance(axis_name, (tuple, list))):
+    raise ValueError(
+        "kfl.kfac(layout='sharded') spreads the blocks over the devices of "
+        f"one axis: pass axis_name= (one mesh/pmap axis), got {axis_name!r}")
+  return layout
+
+
 def _check_damping(damping, where="kfac"):
   """A constant damping must be a positive finite number; a schedule is
   checked at step 0 when it can be evaluated there."""
@@ -172,7 +199,8 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
          blocks: Mapping[str, Any] | None = None, exclude: Sequence[str] = (),
          weight_sharing: str = "expand", axis_name: Hashable | None = None,
          has_aux: bool = False, seed: int = 0, inverse_method: str = "auto",
-         example_axis: chex.ArrayTree | None = None
+         example_axis: chex.ArrayTree | None = None,
+         layout: str | None = None, mesh: Any = None
          ) -> optax.GradientTransformationExtraArgs:
   """The K-FAC preconditioner as an optax transformation (module docstring).
 
@@ -243,8 +271,9 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       ``"expand"`` (the positions are examples; KFC for convolutions) or
       ``"reduce"`` (inputs averaged and cotangents summed over them first),
       as in Eschenhagen et al. 2023. ``kfl.describe`` shows each block's.
-    axis_name: the ``pmap``/``shard_map`` axis to average the statistics
-      over and split the refreshes across; None outside such a map.
+    axis_name: the ``pmap``/``shard_map`` axis (or ``mesh`` axis) to
+      average the statistics over and split the refreshes across; None
+      outside such a map.
     has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
     example_axis: the batch leaves' example axis: None the leading one
       (``kfl.describe`` says when that is a guess), an int, or a pytree of
@@ -260,6 +289,21 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       (``"gauss_jordan"``, ``"schur"``, ``"cholesky"``,
       ``"newton_schulz"``, ``"eigh"``) are described. Other powers and
       ``damping_mode="exact"`` use eigendecompositions.
+    layout: where the curvature lives across the devices of ``axis_name``:
+      ``"replicated"`` (every device keeps every block; statistics
+      all-reduced, refreshes split and their caches all-reduced) or
+      ``"sharded"`` (``kfl.sharding``: each block kept by one owner device,
+      statistics reduce-scattered to it, the owners' preconditioned
+      gradients all-gathered; state bytes per device about ``1/D``). None:
+      ``"sharded"`` with a ``mesh``, else ``"replicated"``. ``"sharded"``
+      needs ``axis_name``; its ``init`` runs inside the ``pmap``/
+      ``shard_map`` (or anywhere with a ``mesh``).
+    mesh: a ``jax.sharding.Mesh`` with the axis ``axis_name``, for use
+      under plain ``jax.jit``: ``update`` (called outside any map) runs its
+      work in a ``shard_map`` over that axis (batch leaves split along
+      their example axis; gradients, params and ``stats=`` taken as the
+      same on every device) and ``init`` places the sharded curvature on
+      the mesh. Inside your own ``shard_map`` the mesh is not used.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``: ``init(params)`` and
@@ -332,8 +376,8 @@ def kfac_with_layers(loss_fn: Callable, example_batch,
 def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
           cov_decay, cov_every, inverse_every, damping_mode, stats_fraction,
           precon_power, norm_constraint, blocks, exclude, weight_sharing,
-          axis_name, has_aux, seed, inverse_method, example_axis
-          ) -> KfacWithLayers:
+          axis_name, has_aux, seed, inverse_method, example_axis, layout,
+          mesh) -> KfacWithLayers:
   """``kfac_with_layers`` with every option given (``kfac``'s body)."""
   estimators.check_estimation(estimation, num_samples)
   fac.check_inverse_method(inverse_method)
@@ -349,6 +393,7 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
                               "kfac(example_batch)")
   estimators.check_example_axis(example_axis, example_batch, stats_fraction,
                                 "kfac")
+  layout = _check_layout(layout, axis_name, mesh)
   configured_damping = damping
   damping_schedule = (damping if callable(damping)
                       else (lambda _: configured_damping))
@@ -383,14 +428,70 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
                        f"batch (see kfl.describe): {refused}")
     leaves = jax.tree.leaves(params)
     zero = lambda: jnp.zeros((), jnp.int32)  # Own buffers: donatable.
+    blocks = {l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))
+              for l in tagged_for(params).layers}
+    if layout == "sharded":
+      for l in tagged_for(params).layers:
+        if getattr(blocks_base.as_block(l.block).one_slice,
+                   "stats_use_state", False):
+          raise ValueError(
+              f"kfl.kfac(layout='sharded'): the block of {l.name!r} "
+              f"({l.block!r}) measures its statistics in its own state "
+              "(EKFAC), which only its owner holds; use layout='replicated' "
+              "or another block for it (blocks=)")
+      blocks = _sharded_init(blocks)
     return KfacState(
-        count=zero(), key=jax.random.PRNGKey(seed),
-        blocks={l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))
-                for l in tagged_for(params).layers},
+        count=zero(), key=jax.random.PRNGKey(seed), blocks=blocks,
         num_bad_grads=zero(), num_bad_updates=zero(), num_bad_damping=zero(),
         num_nonfinite_params=zero(),
         health=_health_state.init(params, float_dtype(leaves)),
         stats_due=jnp.ones((), jnp.int32))
+
+  def _sharded_init(blocks):
+    """``blocks`` in the sharded layout: this device's rows inside a map,
+    else all rows placed on ``mesh``."""
+    if _sharded_step.axis_is_bound(axis_name):
+      lay = sharding.plan(list(blocks), list(blocks.values()),
+                          _sharded_step.device_count(axis_name), axis_name)
+      return sharding.ShardedBlocks(_sharded_step.init_rows(lay, blocks), lay)
+    if mesh is None:
+      raise ValueError(
+          "kfl.kfac(layout='sharded'): init needs the device count: call "
+          f"tx.init inside the pmap/shard_map over {axis_name!r}, or pass "
+          "mesh=")
+    lay = sharding.plan(list(blocks), list(blocks.values()),
+                        int(mesh.shape[axis_name]), axis_name)
+    place = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(axis_name))
+    return sharding.ShardedBlocks(
+        [jax.device_put(b, place) for b in sharding.pack_states(lay, blocks)],
+        lay)
+
+  def on_mesh(updates, state, params, batch, stats, damping, loss):
+    """``update`` under plain ``jit``: the same in a ``shard_map`` over
+    ``mesh``'s ``axis_name``."""
+    P = jax.sharding.PartitionSpec
+    batch_specs = None
+    if batch is not None:
+      examples = tagged_for(params, batch).examples
+      axes = {i: examples.axis_of(k) for k, i in enumerate(examples.leaves)}
+      leaves, treedef = jax.tree.flatten(batch)
+      batch_specs = jax.tree.unflatten(treedef, [
+          P(*([None] * axes[i]), axis_name) if i in axes else P()
+          for i in range(len(leaves))])
+    state_specs = sharding.specs(state)
+    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
+
+    def body(updates, state, params, batch, stats, damping, loss):
+      return run(updates, state, params, batch=batch, stats=stats,
+                 damping=damping, loss=loss, replicated_stats=True)
+    mapped = jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(replicated(updates), state_specs, replicated(params),
+                  batch_specs, replicated(stats), replicated(damping),
+                  replicated(loss)),
+        out_specs=(replicated(updates), state_specs), check_vma=False)
+    return mapped(updates, state, params, batch, stats, damping, loss)
 
   def update_fn(updates, state, params=None, *, batch=None, stats=None,
                 damping=None, loss=None, **extra_args):
@@ -400,6 +501,14 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
                        "batch=batch)")
     if stats is None and batch is None:
       raise ValueError("kfac.update needs batch= (or precomputed stats=)")
+    if mesh is not None and not _sharded_step.axis_is_bound(axis_name):
+      return on_mesh(updates, state, params, batch, stats, damping, loss)
+    return run(updates, state, params, batch=batch, stats=stats,
+               damping=damping, loss=loss)
+
+  def run(updates, state, params, *, batch, stats, damping, loss,
+          replicated_stats=False):
+    """``update`` on one device (or each device of a map)."""
     tagged = tagged_for(params)
     if batch is not None:
       if jax.tree.structure(batch) != tagged.batch_treedef:
@@ -419,28 +528,46 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
                       else damping, dtype)
     damping_ok = (lam > 0) & jnp.isfinite(lam)
 
-    def statistics_and_accumulate(states):
-      if stats is not None:
-        new = jax.lax.pmean(stats, axis_name) if axis_name else stats, 0.0
-      else:
-        new = statistics(tagged, params, batch, stats_key, states,
-                         estimation=estimation, num_samples=num_samples,
-                         stats_fraction=stats_fraction, axis_name=axis_name)
-      return accumulate(layers, states, new[0], cov_decay), jnp.asarray(
-          new[1], dtype)
-
+    mean = (lambda x: x) if replicated_stats or not axis_name else (
+        lambda x: jax.lax.pmean(x, axis_name))
     due = state.count % cov_every == 0
-    states, seen = (statistics_and_accumulate(state.blocks) if cov_every == 1
-                    else jax.lax.cond(due, statistics_and_accumulate, lambda st:
-                                      (st, jnp.zeros((), dtype)), state.blocks))
-    seen = ((seen, due & (stats is None)) if loss is None else
-            (jax.lax.pmean(loss, axis_name) if axis_name else loss, True))
-    states = refresh(layers, states, lam, damping_ok,
-                     is_refresh_step(state.count, inverse_every), state.count,
-                     precon_power=precon_power, inverse_method=inverse_method,
-                     axis_name=axis_name)
     leaves, treedef = jax.tree.flatten(updates)  # The gradients.
-    out = precondition(layers, states, leaves, lam, precon_power)
+    if isinstance(state.blocks, sharding.ShardedBlocks):
+      _sharded_step.check_layout(state.blocks, layers)
+      local = lambda: ((stats, 0.0) if stats is not None else statistics(
+          tagged, params, batch, stats_key, None, estimation=estimation,
+          num_samples=num_samples, stats_fraction=stats_fraction))
+      out, states, seen = _sharded_step.step(
+          layers, state.blocks, leaves, local,
+          stats_due=None if cov_every == 1 else due,
+          stats_replicated=replicated_stats and stats is not None, lam=lam,
+          damping_ok=damping_ok,
+          refresh_due=is_refresh_step(state.count, inverse_every),
+          count=state.count, cov_decay=cov_decay, precon_power=precon_power,
+          inverse_method=inverse_method)
+      seen = jnp.asarray(seen, dtype)
+    else:
+      def statistics_and_accumulate(states):
+        if stats is not None:
+          new = mean(stats), 0.0
+        else:
+          new = statistics(tagged, params, batch, stats_key, states,
+                           estimation=estimation, num_samples=num_samples,
+                           stats_fraction=stats_fraction, axis_name=axis_name)
+        return accumulate(layers, states, new[0], cov_decay), jnp.asarray(
+            new[1], dtype)
+
+      states, seen = (statistics_and_accumulate(state.blocks) if cov_every == 1
+                      else jax.lax.cond(due, statistics_and_accumulate,
+                                        lambda st: (st, jnp.zeros((), dtype)),
+                                        state.blocks))
+      states = refresh(layers, states, lam, damping_ok,
+                       is_refresh_step(state.count, inverse_every),
+                       state.count, precon_power=precon_power,
+                       inverse_method=inverse_method, axis_name=axis_name)
+      out = precondition(layers, states, leaves, lam, precon_power)
+    seen = ((seen, due & (stats is None)) if loss is None else
+            (mean(loss), True))
     scale = clip(out, leaves, norm_constraint, dtype)
     out, grads_ok, update_ok = guard(out, leaves, damping_ok, scale)
     new_state = state._replace(

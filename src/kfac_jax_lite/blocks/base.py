@@ -158,6 +158,10 @@ class Block(abc.ABC):
       "multiply_inverse", "multiply_cholesky", "multiply_cholesky_inverse",
       "to_dense")
   consumes: ClassVar[str] = ACTIVATIONS
+  # Whether ``layer_stats`` reads the block's current state (EKFAC's
+  # scalings are measured in its eigenbasis): such a block's statistics can
+  # only be computed where its state is (not in ``kfl.sharding``'s layout).
+  stats_use_state: ClassVar[bool] = False
   # Provided by each subclass (a dataclass field, a property or a method).
   param_shapes: tuple[tuple[int, ...], ...]
   factor_shapes: tuple

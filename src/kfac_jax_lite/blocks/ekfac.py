@@ -134,6 +134,7 @@ class EigenCorrected(base.Block):
   g [S, N, R, G, b], c, w)``, and ``weight_sharing`` for ``A`` and ``G``."""
 
   damping_mode: ClassVar[str] = "exact"  # λ is added to the eigenvalues s.
+  stats_use_state: ClassVar[bool] = True  # Scalings in the current basis.
   # Provided by each subclass (dataclass fields or properties).
   layout: _layout.Layout
   rebase: str

@@ -1,0 +1,152 @@
+"""One ``kfl.kfac`` update's curvature work in the sharded layout
+(``kfl.sharding``): statistics reduce-scattered to the blocks' owners,
+accumulated and refreshed there, the owners' preconditioned gradients
+all-gathered. Runs on every device of the layout's axis (inside ``pmap``
+or ``shard_map``; under ``jit`` with a mesh ``transform`` wraps it in a
+``shard_map``); the per-block work is ``_stages``' ``accumulate``,
+``refresh`` and ``precondition``, called on each device's own blocks.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kfac_jax_lite import sharding
+from kfac_jax_lite._stages import accumulate, precondition, refresh
+
+
+def device_count(axis_name) -> int:
+  """The size of the bound ``axis_name`` (a ``NameError`` if unbound)."""
+  return jax.lax.psum(1, axis_name)
+
+
+def axis_is_bound(axis_name) -> bool:
+  """Whether ``axis_name`` is bound here (inside ``pmap``/``shard_map``)."""
+  try:
+    jax.lax.axis_index(axis_name)
+  except NameError:
+    return False
+  return True
+
+
+def check_layout(blocks, layers):
+  """The state's layout fits this run: the same blocks, the same device
+  count; else a ``ValueError`` that says how to convert it."""
+  layout = blocks.layout
+  names = tuple(l.name for l in layers)
+  if names != layout.names:
+    raise ValueError(
+        f"kfl.kfac: the sharded state holds the blocks {list(layout.names)}, "
+        f"the model has {list(names)}")
+  n = device_count(layout.axis_name)
+  if n != layout.devices:
+    raise ValueError(
+        f"kfl.kfac: the state is sharded over {layout.devices} devices, this "
+        f"step runs on {n} (axis {layout.axis_name!r}): put it into this "
+        "run's layout with kfl.sharding.shard_like(state, tx.init(params))")
+
+
+def init_rows(layout, states):
+  """This device's rows ``([1, L] per dtype)`` of the blocks ``states`` (the
+  same on every device, e.g. fresh ones): row ``axis_index`` of their
+  packing."""
+  packed = sharding.pack_states(layout, states)
+  d = jax.lax.axis_index(layout.axis_name)
+  return tuple(jax.lax.dynamic_slice_in_dim(b, d, 1, axis=0) for b in packed)
+
+
+def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
+         stats_replicated, lam, damping_ok, refresh_due, count, cov_decay,
+         precon_power, inverse_method):
+  """``(updates, blocks, loss)``: the flat list of updates (each layer's
+  leaves preconditioned by its owner and gathered; the other leaves as they
+  are), the new ``ShardedBlocks`` and the device mean of the statistics'
+  loss (0 when none were computed).
+
+  Args:
+    layers: the tagged layers, in the layout's order.
+    blocks: this device's ``ShardedBlocks`` (rows ``[1, L]``).
+    grad_leaves: the flat gradient, the same on every device.
+    compute_stats: ``() -> ({name: stats}, loss)`` on this device's
+      examples, or None for no statistics this step.
+    stats_due: a bool scalar gating the statistics (``cov_every > 1``), or
+      None (every step).
+    stats_replicated: the statistics are already the device mean (the same
+      on every device): each device takes its own blocks' share, no
+      reduce-scatter.
+    lam, damping_ok, refresh_due, count, cov_decay, precon_power,
+    inverse_method: as for ``_stages.refresh``/``accumulate``.
+  """
+  layout = blocks.layout
+  axis, devices = layout.axis_name, layout.devices
+  names = layout.names
+  owner = layout.owner_of
+  index = {n: i for i, n in enumerate(names)}
+  me = jax.lax.axis_index(axis)
+
+  stats_p = stats_defs = None
+  stat_rows: tuple = ()
+  loss = jnp.zeros((), grad_leaves[0].dtype if grad_leaves else jnp.float32)
+  if compute_stats is not None:
+    shapes, _ = jax.eval_shape(compute_stats)
+    items = [jax.tree.leaves(shapes[n]) for n in names]
+    stats_defs = [jax.tree.structure(shapes[n]) for n in names]
+    stats_p = sharding.packing(items, layout.owners, devices)
+
+    def scattered():
+      stats, value = compute_stats()
+      leaves = {i: jax.tree.leaves(stats[n]) for i, n in enumerate(names)}
+      packed = sharding.pack_all(stats_p, leaves, devices)  # [D, S]
+      if stats_replicated:
+        rows = tuple(jax.lax.dynamic_index_in_dim(b, me, keepdims=False)
+                     for b in packed)
+        return rows, jnp.asarray(value, loss.dtype)
+      rows = tuple(jax.lax.psum_scatter(b, axis, scatter_dimension=0,
+                                        tiled=False) / devices
+                   for b in packed)
+      return rows, jax.lax.pmean(jnp.asarray(value, loss.dtype), axis)
+
+    if stats_due is None:
+      stat_rows, loss = scattered()
+    else:
+      zeros = lambda: (tuple(jnp.zeros((n,), t) for t, n in stats_p.lengths),
+                       jnp.zeros((), loss.dtype))
+      stat_rows, loss = jax.lax.cond(stats_due, scattered, zeros)
+
+  upd_items = [[grad_leaves[i] for i in l.leaves] for l in layers]
+  upd_p = sharding.packing(upd_items, layout.owners, devices)
+  local = tuple(jnp.reshape(b, (-1,)) for b in blocks.buffers)
+
+  def branch(d):
+    mine = [l for l in layers if owner[l.name] == d]
+
+    def run(rows, stat_rows):
+      states = sharding.own_states(layout, d, rows)
+      if stats_p is not None and mine:
+        got = sharding.unpack_row(stats_p, d, stat_rows)
+        stats = {names[i]: jax.tree.unflatten(stats_defs[i], leaves)
+                 for i, leaves in got.items()}
+        fold = lambda s: accumulate(mine, s, stats, cov_decay)
+        states = (fold(states) if stats_due is None else
+                  jax.lax.cond(stats_due, fold, lambda s: s, states))
+      states = refresh(mine, states, lam, damping_ok, refresh_due, count,
+                       precon_power=precon_power,
+                       inverse_method=inverse_method)
+      out = precondition(mine, states, grad_leaves, lam, precon_power)
+      updates = {index[l.name]: [out[i] for i in l.leaves] for l in mine}
+      return (sharding.own_rows(layout, d, states),
+              sharding.pack_row(upd_p, d, updates))
+    return run
+
+  new_rows, upd_rows = jax.lax.switch(
+      me, [branch(d) for d in range(devices)], local, stat_rows)
+  gathered = [jax.lax.all_gather(r, axis, tiled=False) for r in upd_rows]
+  got = sharding.unpack_all(upd_p, gathered)
+  out = list(grad_leaves)
+  for l in layers:
+    for i, x in zip(l.leaves, got[index[l.name]]):
+      out[i] = x
+  new_blocks = sharding.ShardedBlocks(
+      [jnp.reshape(r, b.shape) for r, b in zip(new_rows, blocks.buffers)],
+      layout)
+  return out, new_blocks, loss
