@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_lite import sharding
+from kfac_jax_lite import tagging
 from kfac_jax_lite._stages import accumulate, precondition, refresh
 
 
@@ -27,6 +28,22 @@ def axis_is_bound(axis_name) -> bool:
   except NameError:
     return False
   return True
+
+
+def _gather(row, axis, devices, me):
+  """``[D, P]``: every device's ``row``, the same on every device. Inside
+  ``shard_map(check_vma=True)`` the result must be typed invariant over
+  ``axis``, which ``all_gather``'s is not (JAX's ``all_gather_invariant``
+  is, where public); there the rows are summed into place with a ``psum``
+  (twice an all-gather's bytes)."""
+  if axis not in tagging.varying_axes(row):
+    return jax.lax.all_gather(row, axis, tiled=False)
+  invariant = getattr(jax.lax, "all_gather_invariant", None)
+  if invariant is not None:
+    return invariant(row, axis, tiled=False)
+  full = jnp.zeros((devices,) + row.shape, row.dtype)
+  return jax.lax.psum(jax.lax.dynamic_update_index_in_dim(full, row, me, 0),
+                      axis)
 
 
 def check_layout(blocks, layers):
@@ -140,7 +157,7 @@ def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
 
   new_rows, upd_rows = jax.lax.switch(
       me, [branch(d) for d in range(devices)], local, stat_rows)
-  gathered = [jax.lax.all_gather(r, axis, tiled=False) for r in upd_rows]
+  gathered = [_gather(r, axis, devices, me) for r in upd_rows]
   got = sharding.unpack_all(upd_p, gathered)
   out = list(grad_leaves)
   for l in layers:
