@@ -565,9 +565,10 @@ def scenario_reference4(args):
   tx = make_tx(loss_fn, batches[0], axis_name="i", lr=0.05)
   pp, sp, _ = run_pmap(loss_fn, init_params(), batches, tx)
   tx1 = make_tx(loss_fn, batches[0], lr=0.05)
-  p1, _, _ = run_single(loss_fn, init_params(), batches, tx1)
+  p1, s1, _ = run_single(loss_fn, init_params(), batches, tx1)
   emit({"devices": jax.device_count(), "params": tolist(first(pp)),
         "single_device_params": tolist(p1),
+        "single_device_caches": tolist(caches(s1[0])),
         "spread": per_device_spread(pp), "count": int(first(sp[0].count))})
 
 
@@ -618,6 +619,7 @@ def scenario_multihost(args):
   state = put(replicate(tx.init(init_params()), n_local))
   for batch in batches:
     params, state, _ = step(params, state, local(batch))
+  sharded = _multihost_sharded(loss_fn, batches, put, local, n_local)
   jax.effects_barrier()
   local_params = [jax.tree.map(lambda x: np.asarray(x.addressable_shards[k].data)[0],
                                params) for k in range(n_local)]
@@ -631,8 +633,33 @@ def scenario_multihost(args):
         "local_devices": n_local, "global_devices": n_global,
         "local_device_ids": [d.id for d in jax.local_devices()],
         "params": tolist(local_params[0]), "spread": spread,
-        "count": local_count, "calls": sorted(calls)})
+        "count": local_count, "calls": sorted(calls), **sharded})
   jax.distributed.shutdown()
+
+
+def _multihost_sharded(loss_fn, batches, put, local, n_local):
+  """The same 20 steps with ``layout="sharded"`` (init inside the pmap):
+  this process's parameters and, gathered from both processes
+  (``process_allgather``), every block's factors and caches."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+  import kfac_jax_lite as kfl
+  tx = make_tx(loss_fn, batches[0], axis_name="i", lr=0.05, layout="sharded")
+  step = pmap_step(loss_fn, tx)
+  params = put(replicate(init_params(), n_local))
+  state = jax.pmap(tx.init, axis_name="i")(params)
+  for batch in batches:
+    params, state, _ = step(params, state, local(batch))
+  blocks = state[0].blocks
+  gathered = kfl.sharding.ShardedBlocks(
+      [multihost_utils.process_allgather(b, tiled=True)
+       for b in blocks.buffers], blocks.layout)
+  return {"sharded_params": tolist(jax.tree.map(
+              lambda x: np.asarray(x.addressable_shards[0].data)[0], params)),
+          "sharded_caches": tolist(caches(state[0]._replace(
+              blocks=kfl.sharding.unshard_blocks(gathered)))),
+          "sharded_owners": kfl.sharding.owners(state)}
 
 
 SCENARIOS = {

@@ -414,3 +414,12 @@ def test_two_processes_on_loopback_train_like_one_process():
         steps // 2 + 1)  # Every 2 steps, and the young refresh at step 1.
   assert {d for d, _, _ in hosts[0]["calls"]} == {0, 1}
   assert {d for d, _, _ in hosts[1]["calls"]} == {2}
+  # The same run in the sharded layout (issue 27): each block kept by one
+  # of the 4 global devices; parameters and (gathered from both processes)
+  # every factor and cache equal one device's.
+  for h in hosts:
+    assert_trees(h["sharded_params"], ref["single_device_params"],
+                 **MULTIHOST_TOL)
+    assert_trees(h["sharded_caches"], ref["single_device_caches"],
+                 **MULTIHOST_TOL)
+  assert sorted(hosts[0]["sharded_owners"].values()) == [0, 1, 2]

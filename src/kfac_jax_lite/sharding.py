@@ -44,6 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ["Layout", "ShardedBlocks", "bytes_per_device", "owners", "plan",
+           "shard_like", "specs", "unshard", "unshard_blocks"]
+
 
 class Layout(NamedTuple):
   """Where every block's state lives (static: hashable, in the treedef).
