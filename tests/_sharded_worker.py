@@ -48,12 +48,17 @@ def _state_caches(kstate):
   return W.caches(kfl.sharding.unshard(kstate))
 
 
-def _collectives(hlo):
-  """``{kind: bytes}`` of the collectives in HLO text (result shapes)."""
+def _collectives(hlo, by_place=False):
+  """``{kind: bytes}`` of the collectives in HLO text (result shapes); with
+  ``by_place`` the kinds of those in the entry computation (every step)
+  get the prefix ``"entry "``."""
   sizes = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "pred": 1, "s64": 8,
            "u64": 8, "bf16": 2, "f16": 2}
   out = {}
+  entry = False
   for line in hlo.splitlines():
+    if line and not line.startswith(" "):
+      entry = line.startswith("ENTRY")
     m = re.search(r"=\s*(\(?[^=]*?\)?)\s+(all-reduce|reduce-scatter|"
                   r"all-gather)(-start)?\(", line)
     if not m:
@@ -64,7 +69,8 @@ def _collectives(hlo):
       for x in filter(None, dims.split(",")):
         n *= int(x)
       total += n * sizes.get(dt, 4)
-    out[m.group(2)] = out.get(m.group(2), 0) + total
+    kind = ("entry " if by_place and entry else "") + m.group(2)
+    out[kind] = out.get(kind, 0) + total
   return out
 
 
@@ -136,6 +142,27 @@ def scenario_sharded(args):
           params=W.tolist(pr), caches=W.tolist(W.caches(sr[0])))
       result["hlo_replicated"] = _collectives(
           stepr.lower(params, sr, b).compile().as_text())
+
+  # gather="inverses" (the caches gathered after refreshes), in π and in
+  # exact damping mode; the sharded default in exact mode too.
+  mesh = _mesh(8)
+  for mode in ("pi", "exact"):
+    pe, se, _ = W.run_single(loss_fn, params, batches,
+                             make(damping_mode=mode))
+    result[f"single_{mode}"] = dict(params=W.tolist(pe),
+                                    caches=W.tolist(W.caches(se[0])))
+    for gather in ("inverses", "updates"):
+      if (mode, gather) == ("pi", "updates"):
+        continue  # jit8 above.
+      tx = make(axis_name="data", mesh=mesh, gather=gather, damping_mode=mode)
+      pg, sg, step = _jit_run(tx, mesh, params, tx.init(params), batches)
+      result[f"{gather}_{mode}"] = dict(params=W.tolist(pg),
+                                        caches=W.tolist(_state_caches(sg[0])))
+      if (mode, gather) == ("pi", "inverses"):
+        b = jax.device_put(batches[0], NamedSharding(mesh, P("data")))
+        result["hlo_inverses"] = _collectives(
+            step.lower(params, sg, b).compile().as_text(), by_place=True)
+        result["inverses_bytes"] = kfl.sharding.bytes_per_device(sg[0].blocks)
 
   # Your own shard_map (check_vma=True), init outside with mesh=; the
   # specs of the state from kfl.sharding.specs.
@@ -223,6 +250,10 @@ def scenario_sharded(args):
     make(layout="sharded")
   except ValueError as e:
     errors["no_axis"] = str(e)
+  try:
+    make(axis_name="data", mesh=mesh, gather="everything")
+  except ValueError as e:
+    errors["gather"] = str(e)
   result["errors"] = errors
   W.emit(result)
 

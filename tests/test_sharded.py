@@ -99,6 +99,30 @@ def test_sharded_step_reduce_scatters_statistics_and_gathers_updates():
   assert replicated.get("all-reduce", 0) > sharded.get("reduce-scatter", 0)
 
 
+@pytest.mark.parametrize("run", ["inverses_pi", "inverses_exact",
+                                 "updates_exact"])
+def test_gather_switch_and_exact_damping_equal_one_device(run):
+  """``gather="inverses"`` (the owners' caches all-gathered after each
+  refresh; every device preconditions every block) and the default
+  ``gather="updates"``, in π and ``"exact"`` damping mode: the same numbers
+  as one device in that mode."""
+  r = result()
+  mode = run.split("_")[1]
+  _same(r[run]["params"], r[f"single_{mode}"]["params"])
+  _same(r[run]["caches"], r[f"single_{mode}"]["caches"])
+
+
+def test_gathered_inverses_move_nothing_per_step_but_the_statistics():
+  """With ``gather="inverses"`` the step's own (entry) computation has no
+  all-gather: the caches' all-gather sits in the conditional taken after a
+  refresh. Each device then holds its row plus every block's caches."""
+  r = result()
+  hlo = r["hlo_inverses"]
+  assert hlo.get("entry all-gather", 0) == 0
+  assert hlo.get("all-gather", 0) > 0
+  assert r["inverses_bytes"] > r["jit8"]["bytes_per_device"]["0"]
+
+
 def test_own_shard_map_with_vma_checks_equals_one_device():
   """A user's ``shard_map`` (``check_vma=True``) with ``in_specs``/
   ``out_specs`` from ``kfl.sharding.specs(state)`` and ``init`` outside
@@ -138,6 +162,7 @@ def test_refusals_name_the_problem():
   assert "pass mesh=" in e["no_mesh"]
   assert "EKFAC" in e["ekfac"]
   assert "axis_name" in e["no_axis"]
+  assert "gather must be one of" in e["gather"]
 
 
 def test_layout_helpers_on_one_device():

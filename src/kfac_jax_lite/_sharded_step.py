@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 from kfac_jax_lite import sharding
 from kfac_jax_lite import tagging
+from kfac_jax_lite.blocks import base as blocks_base
+from kfac_jax_lite.factor import FactorState
 from kfac_jax_lite._stages import accumulate, precondition, refresh
 
 
@@ -130,8 +132,12 @@ def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
                        jnp.zeros((), loss.dtype))
       stat_rows, loss = jax.lax.cond(stats_due, scattered, zeros)
 
-  upd_items = [[grad_leaves[i] for i in l.leaves] for l in layers]
-  upd_p = sharding.packing(upd_items, layout.owners, devices)
+  inverses = blocks.inverses
+  if inverses is None:  # The owners precondition; their updates gathered.
+    items = [[grad_leaves[i] for i in l.leaves] for l in layers]
+  else:  # The owners' caches gathered after a refresh.
+    items = [jax.tree.leaves(inverses[n]) for n in names]
+  out_p = sharding.packing(items, layout.owners, devices)
   local = tuple(jnp.reshape(b, (-1,)) for b in blocks.buffers)
 
   def branch(d):
@@ -146,24 +152,62 @@ def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
         fold = lambda s: accumulate(mine, s, stats, cov_decay)
         states = (fold(states) if stats_due is None else
                   jax.lax.cond(stats_due, fold, lambda s: s, states))
+      needs = [damping_ok & (refresh_due | ~_block(l).is_ready(states[l.name]))
+               for l in mine]
       states = refresh(mine, states, lam, damping_ok, refresh_due, count,
                        precon_power=precon_power,
                        inverse_method=inverse_method)
-      out = precondition(mine, states, grad_leaves, lam, precon_power)
-      updates = {index[l.name]: [out[i] for i in l.leaves] for l in mine}
+      if inverses is None:
+        out = precondition(mine, states, grad_leaves, lam, precon_power)
+        own = {index[l.name]: [out[i] for i in l.leaves] for l in mine}
+      else:
+        own = {index[l.name]: jax.tree.leaves(_block(l).caches(
+            states[l.name])) for l in mine}
+      refreshed = jnp.any(jnp.stack(needs)) if needs else jnp.bool_(False)
       return (sharding.own_rows(layout, d, states),
-              sharding.pack_row(upd_p, d, updates))
+              sharding.pack_row(out_p, d, own), refreshed)
     return run
 
-  new_rows, upd_rows = jax.lax.switch(
+  new_rows, out_rows, refreshed = jax.lax.switch(
       me, [branch(d) for d in range(devices)], local, stat_rows)
-  gathered = [_gather(r, axis, devices, me) for r in upd_rows]
-  got = sharding.unpack_all(upd_p, gathered)
+  gather = lambda: sharding.unpack_all(
+      out_p, [_gather(r, axis, devices, me) for r in out_rows])
   out = list(grad_leaves)
-  for l in layers:
-    for i, x in zip(l.leaves, got[index[l.name]]):
-      out[i] = x
+  if inverses is None:
+    got = gather()
+    for l in layers:
+      for i, x in zip(l.leaves, got[index[l.name]]):
+        out[i] = x
+  else:
+    # Gathered only when some owner refreshed (one int all-reduced).
+    any_refreshed = jax.lax.psum(refreshed.astype(jnp.int32), axis) > 0
+    leaves = jax.lax.cond(
+        any_refreshed, lambda: [gather()[i] for i in range(len(names))],
+        lambda: [jax.tree.leaves(inverses[n]) for n in names])
+    inverses = {n: jax.tree.unflatten(jax.tree.structure(inverses[n]), x)
+                for n, x in zip(names, leaves)}
+    out = precondition(layers, _with_inverses(layout, inverses), grad_leaves,
+                       lam, precon_power)
   new_blocks = sharding.ShardedBlocks(
       [jnp.reshape(r, b.shape) for r, b in zip(new_rows, blocks.buffers)],
-      layout)
+      layout, inverses)
   return out, new_blocks, loss
+
+
+def _block(layer):
+  return blocks_base.as_block(layer.block)
+
+
+def _with_inverses(layout, inverses):
+  """``{name: block state}`` for preconditioning on any device: zero
+  factors (never read by a preconditioner that uses the cache; XLA drops
+  them) carrying the gathered ``inverses``."""
+  out = {}
+  for i, name in enumerate(layout.names):
+    zeros = [jnp.zeros(shape, dtype) for dtype, _, shape in layout.slots[i]]
+    template = jax.tree.unflatten(layout.treedefs[i], zeros)
+    is_factor = lambda x: isinstance(x, FactorState)
+    out[name] = jax.tree.map(
+        lambda f, c: f._replace(cache=c) if is_factor(f) else c, template,
+        inverses[name], is_leaf=is_factor)
+  return out

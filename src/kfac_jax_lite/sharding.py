@@ -44,8 +44,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Layout", "ShardedBlocks", "bytes_per_device", "owners", "plan",
-           "shard_like", "specs", "unshard", "unshard_blocks"]
+from kfac_jax_lite.factor import FactorState
+
+__all__ = ["GATHERS", "Layout", "ShardedBlocks", "bytes_per_device",
+           "caches", "owners", "plan", "shard_like", "specs", "unshard",
+           "unshard_blocks"]
+
+#: What the sharded layout gathers: the preconditioned gradient (the owners
+#: precondition their blocks) or the inverses (each refresh's caches, kept
+#: on every device, which then preconditions every block itself).
+GATHERS = ("updates", "inverses")
 
 
 class Layout(NamedTuple):
@@ -81,23 +89,35 @@ class ShardedBlocks:
   """``KfacState.blocks`` in the sharded layout: ``buffers``, one array per
   dtype (``layout.lengths``' order) of shape ``[D, L]`` globally (under
   ``pmap``: ``[D, 1, L]``; each device's own view ``[1, L]``), and the
-  static ``layout``. ``unshard`` turns it into the replicated layout's
+  static ``layout``; with ``gather="inverses"`` also ``inverses``, every
+  block's caches (``{layer name: caches}``, the same on every device),
+  else None. ``unshard`` turns it into the replicated layout's
   ``{layer name: block state}``."""
 
-  def __init__(self, buffers, layout: Layout):
+  def __init__(self, buffers, layout: Layout, inverses=None):
     self.buffers = tuple(buffers)
     self.layout = layout
+    self.inverses = inverses
 
   def tree_flatten(self):
-    return self.buffers, self.layout
+    return (self.buffers, self.inverses), self.layout
 
   @classmethod
-  def tree_unflatten(cls, layout, buffers):
-    return cls(buffers, layout)
+  def tree_unflatten(cls, layout, children):
+    return cls(children[0], layout, children[1])
 
   def __repr__(self):
     return (f"ShardedBlocks({len(self.layout.names)} blocks over "
-            f"{self.layout.devices} devices of {self.layout.axis_name!r})")
+            f"{self.layout.devices} devices of {self.layout.axis_name!r}"
+            f"{', inverses gathered' if self.inverses is not None else ''})")
+
+
+def caches(state):
+  """The ``FactorCache``s of a block state, in its structure (what a
+  ``Block``'s ``caches`` returns)."""
+  is_factor = lambda x: isinstance(x, FactorState)
+  return jax.tree.map(lambda f: f.cache if is_factor(f) else f, state,
+                      is_leaf=is_factor)
 
 
 # --------------------------------------------------------------- packing
@@ -266,7 +286,7 @@ def unshard_blocks(blocks: ShardedBlocks) -> dict:
   """The replicated layout's ``{layer name: block state}`` of ``blocks``
   (whose buffers must be addressable here: on several processes, gather
   them first, e.g. ``jax.experimental.multihost_utils.process_allgather``)."""
-  layout = blocks.layout
+  layout = blocks.layout  # (``inverses``, if any, are the owners' caches.)
   buffers = []
   for b in blocks.buffers:
     if isinstance(b, jax.Array) and not b.is_fully_addressable:
@@ -341,7 +361,13 @@ def shard_like(state, like):
         sharding = getattr(old, "sharding", None)
         placed.append(jax.device_put(new, sharding) if sharding is not None
                       else new)
-      blocks = ShardedBlocks(placed, layout)
+      inverses = None
+      if target.blocks.inverses is not None:
+        inverses = jax.tree.map(
+            lambda new, old: jnp.reshape(new, old.shape).astype(old.dtype),
+            {n: caches(blocks[n]) for n in layout.names},
+            target.blocks.inverses)
+      blocks = ShardedBlocks(placed, layout, inverses)
     out.append(x._replace(blocks=blocks))
   return jax.tree.unflatten(treedef, out)
 
@@ -355,7 +381,10 @@ def specs(state):
 
   def one(x):
     if _is_sharded(x):
-      return ShardedBlocks([P(x.layout.axis_name)] * len(x.buffers), x.layout)
+      return ShardedBlocks(
+          [P(x.layout.axis_name)] * len(x.buffers), x.layout,
+          None if x.inverses is None else jax.tree.map(lambda _: P(),
+                                                       x.inverses))
     return P()
   return jax.tree.map(one, state, is_leaf=_is_sharded)
 
@@ -369,5 +398,10 @@ def owners(state) -> dict:
 
 
 def bytes_per_device(blocks: ShardedBlocks) -> int:
-  """The bytes of one device's row of ``blocks`` (all dtypes)."""
-  return sum(n * np.dtype(name).itemsize for name, n in blocks.layout.lengths)
+  """The bytes one device holds of ``blocks``: its row of every buffer,
+  and the gathered ``inverses`` when there are any."""
+  rows = sum(n * np.dtype(name).itemsize for name, n in blocks.layout.lengths)
+  if blocks.inverses is None:
+    return rows
+  return rows + sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
+                    for x in jax.tree.leaves(blocks.inverses))

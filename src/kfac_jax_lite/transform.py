@@ -200,7 +200,8 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
          weight_sharing: str = "expand", axis_name: Hashable | None = None,
          has_aux: bool = False, seed: int = 0, inverse_method: str = "auto",
          example_axis: chex.ArrayTree | None = None,
-         layout: str | None = None, mesh: Any = None
+         layout: str | None = None, mesh: Any = None,
+         gather: str = "updates"
          ) -> optax.GradientTransformationExtraArgs:
   """The K-FAC preconditioner as an optax transformation (module docstring).
 
@@ -304,6 +305,14 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       their example axis; gradients, params and ``stats=`` taken as the
       same on every device) and ``init`` places the sharded curvature on
       the mesh. Inside your own ``shard_map`` the mesh is not used.
+    gather: in the sharded layout, what crosses the devices after the
+      owners' work: ``"updates"`` (each owner preconditions its blocks'
+      gradient and the pieces are all-gathered every step: bytes of the
+      parameters) or ``"inverses"`` (after a refresh the owners' caches are
+      all-gathered and kept on every device, which preconditions every
+      block itself: no per-step traffic beyond the statistics, at the
+      memory of all caches on every device; KAISA's gradient-worker
+      fraction at its two ends).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``: ``init(params)`` and
@@ -377,7 +386,7 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
           cov_decay, cov_every, inverse_every, damping_mode, stats_fraction,
           precon_power, norm_constraint, blocks, exclude, weight_sharing,
           axis_name, has_aux, seed, inverse_method, example_axis, layout,
-          mesh) -> KfacWithLayers:
+          mesh, gather) -> KfacWithLayers:
   """``kfac_with_layers`` with every option given (``kfac``'s body)."""
   estimators.check_estimation(estimation, num_samples)
   fac.check_inverse_method(inverse_method)
@@ -394,6 +403,9 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
   estimators.check_example_axis(example_axis, example_batch, stats_fraction,
                                 "kfac")
   layout = _check_layout(layout, axis_name, mesh)
+  if gather not in sharding.GATHERS:
+    raise ValueError(f"gather must be one of {sharding.GATHERS}, got "
+                     f"{gather!r}")
   configured_damping = damping
   damping_schedule = (damping if callable(damping)
                       else (lambda _: configured_damping))
@@ -450,10 +462,13 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
   def _sharded_init(blocks):
     """``blocks`` in the sharded layout: this device's rows inside a map,
     else all rows placed on ``mesh``."""
+    inverses = ({n: sharding.caches(st) for n, st in blocks.items()}
+                if gather == "inverses" else None)
     if _sharded_step.axis_is_bound(axis_name):
       lay = sharding.plan(list(blocks), list(blocks.values()),
                           _sharded_step.device_count(axis_name), axis_name)
-      return sharding.ShardedBlocks(_sharded_step.init_rows(lay, blocks), lay)
+      return sharding.ShardedBlocks(_sharded_step.init_rows(lay, blocks), lay,
+                                    inverses)
     if mesh is None:
       raise ValueError(
           "kfl.kfac(layout='sharded'): init needs the device count: call "
@@ -465,7 +480,7 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
         mesh, jax.sharding.PartitionSpec(axis_name))
     return sharding.ShardedBlocks(
         [jax.device_put(b, place) for b in sharding.pack_states(lay, blocks)],
-        lay)
+        lay, inverses)
 
   def on_mesh(updates, state, params, batch, stats, damping, loss):
     """``update`` under plain ``jit``: the same in a ``shard_map`` over
