@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kfac_jax_lite import sharding
 from kfac_jax_lite import tagging
@@ -108,13 +109,20 @@ def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
   loss = jnp.zeros((), grad_leaves[0].dtype if grad_leaves else jnp.float32)
   if compute_stats is not None:
     shapes, _ = jax.eval_shape(compute_stats)
-    items = [jax.tree.leaves(shapes[n]) for n in names]
+    by_name = {l.name: l for l in layers}
+    halves = [[_symmetric(by_name[n], x) for x in jax.tree.leaves(shapes[n])]
+              for n in names]
+    items = [[_triangle(x) if h else x
+              for x, h in zip(jax.tree.leaves(shapes[n]), half)]
+             for n, half in zip(names, halves)]
     stats_defs = [jax.tree.structure(shapes[n]) for n in names]
     stats_p = sharding.packing(items, layout.owners, devices)
 
     def scattered():
       stats, value = compute_stats()
-      leaves = {i: jax.tree.leaves(stats[n]) for i, n in enumerate(names)}
+      leaves = {i: [_triangle(x) if h else x
+                    for x, h in zip(jax.tree.leaves(stats[n]), halves[i])]
+                for i, n in enumerate(names)}
       packed = sharding.pack_all(stats_p, leaves, devices)  # [D, S]
       if stats_replicated:
         rows = tuple(jax.lax.dynamic_index_in_dim(b, me, keepdims=False)
@@ -147,7 +155,9 @@ def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
       states = sharding.own_states(layout, d, rows)
       if stats_p is not None and mine:
         got = sharding.unpack_row(stats_p, d, stat_rows)
-        stats = {names[i]: jax.tree.unflatten(stats_defs[i], leaves)
+        stats = {names[i]: jax.tree.unflatten(stats_defs[i], [
+            _symmetric_from(x, jax.tree.leaves(shapes[names[i]])[k].shape)
+            if halves[i][k] else x for k, x in enumerate(leaves)])
                  for i, leaves in got.items()}
         fold = lambda s: accumulate(mine, s, stats, cov_decay)
         states = (fold(states) if stats_due is None else
@@ -196,6 +206,33 @@ def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
 
 def _block(layer):
   return blocks_base.as_block(layer.block)
+
+
+# A symmetric statistic ``[..., n, n]`` (a Kronecker factor's ``XᵀX``, a
+# full block's ``Σ ggᵀ``: ``Block.symmetric_stats``) crosses the devices as
+# its upper triangle, ``n(n+1)/2`` numbers instead of ``n²``.
+
+def _symmetric(layer, x) -> bool:
+  return (getattr(_block(layer).one_slice, "symmetric_stats", False)
+          and len(x.shape) >= 2 and x.shape[-1] == x.shape[-2])
+
+
+def _triangle(x):
+  """The upper triangle (diagonal included) of ``x [..., n, n]``, row by
+  row: ``[..., n(n+1)/2]`` (a shape-dtype struct for one)."""
+  n = x.shape[-1]
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(x.shape[:-2] + (n * (n + 1) // 2,), x.dtype)
+  i, j = np.triu_indices(n)
+  return x[..., i, j]
+
+
+def _symmetric_from(v, shape):
+  """The symmetric ``[..., n, n]`` whose upper triangle ``_triangle`` gave."""
+  n = shape[-1]
+  i, j = np.triu_indices(n)
+  upper = jnp.zeros(shape, v.dtype).at[..., i, j].set(v)
+  return upper + jnp.swapaxes(jnp.triu(upper, 1), -1, -2)
 
 
 def _with_inverses(layout, inverses):

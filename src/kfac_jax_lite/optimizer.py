@@ -278,6 +278,11 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     raise ValueError(f"curvature must be 'ggn' or 'fisher', got {curvature!r}")
   if "damping" in kfac_options:
     raise ValueError("kfac_optimizer adapts the damping: pass initial_damping")
+  if kfac_options.get("mesh") is not None:
+    raise ValueError(
+        "kfl.kfac_optimizer: mesh= (kfl.kfac under plain jit) is not "
+        "supported: its quadratic model averages over axis_name, so call it "
+        "inside shard_map/pmap with axis_name (layout='sharded' works there)")
   _require(0 < min_damping <= initial_damping <= max_damping,
            "need 0 < min_damping <= initial_damping <= max_damping, got "
            f"{min_damping!r}, {initial_damping!r}, {max_damping!r}")

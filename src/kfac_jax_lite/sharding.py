@@ -23,11 +23,16 @@ layout's stages in ``_stages`` do the per-block work):
 2. each device folds them into its blocks' EMAs and refreshes its blocks'
    caches (``lax.switch`` on ``axis_index``: the branch of device ``d``
    holds the work of ``d``'s blocks only);
-3. each device preconditions the gradient of its own blocks (the gradient
-   is replicated) and the preconditioned pieces are ``all_gather``-ed, so
-   every device ends with the whole update (bytes of the parameters, not of
-   the curvature). The KL clip and the safeguards then run on every device
-   as in the replicated layout.
+3. ``gather="updates"`` (the default): each device preconditions the
+   gradient of its own blocks (the gradient is replicated) and the
+   preconditioned pieces are ``all_gather``-ed, so every device ends with
+   the whole update (bytes of the parameters, not of the curvature).
+   ``gather="inverses"``: after a step on which some owner refreshed, the
+   owners' caches are ``all_gather``-ed into ``ShardedBlocks.inverses``,
+   kept on every device, and every device preconditions every block (no
+   per-step gather; all caches on every device: where memory allows). The
+   KL clip and the safeguards then run on every device as in the
+   replicated layout.
 
 Results equal the replicated layout's up to the order of the device sums
 (float64: ~1e-15). The state depends on ``D``: a checkpoint is written in
@@ -50,10 +55,11 @@ __all__ = ["GATHERS", "Layout", "ShardedBlocks", "bytes_per_device",
            "caches", "owners", "plan", "shard_like", "specs", "unshard",
            "unshard_blocks"]
 
-#: What the sharded layout gathers: the preconditioned gradient (the owners
-#: precondition their blocks) or the inverses (each refresh's caches, kept
-#: on every device, which then preconditions every block itself).
 GATHERS = ("updates", "inverses")
+"""What the sharded layout gathers (``kfl.kfac(..., gather=)``): the
+preconditioned gradient (the owners precondition their blocks) or the
+inverses (each refresh's caches, kept on every device, which then
+preconditions every block itself)."""
 
 
 class Layout(NamedTuple):

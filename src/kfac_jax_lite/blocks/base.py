@@ -162,6 +162,10 @@ class Block(abc.ABC):
   # scalings are measured in its eigenbasis): such a block's statistics can
   # only be computed where its state is (not in ``kfl.sharding``'s layout).
   stats_use_state: ClassVar[bool] = False
+  # Whether every square statistic ``[..., n, n]`` of ``compute_stats`` is
+  # symmetric (a covariance), so that its upper triangle says all of it
+  # (``kfl.sharding`` sends only that between devices).
+  symmetric_stats: ClassVar[bool] = False
   # Provided by each subclass (a dataclass field, a property or a method).
   param_shapes: tuple[tuple[int, ...], ...]
   factor_shapes: tuple
@@ -302,6 +306,7 @@ class KroneckerBlock(Block):
   """
 
   input_diagonal = False
+  symmetric_stats: ClassVar[bool] = True  # A and G: covariances.
   # Provided by each subclass (dataclass fields or properties).
   layout: _layout.Layout
   damping_mode: str
@@ -389,6 +394,7 @@ class FlatBlock(Block):
   """
 
   diagonal: bool  # Provided by each subclass (a field or class attribute).
+  symmetric_stats: ClassVar[bool] = True  # [n] or Σ g gᵀ [n, n].
 
   @property
   def size(self):
