@@ -348,3 +348,74 @@ def test_estimation_steps_quick():
   np.testing.assert_allclose(by["empirical_shared"][4], by["empirical"][4],
                              rtol=1e-4)
   assert all(r[5] == "ok" for r in rows)
+
+
+def _import_sharded_curvature(monkeypatch):
+  """The script sets XLA_FLAGS (8 devices) and JAX_PLATFORMS at import when
+  they are unset: here they are set for the import only, so that neither
+  this process (its backend started first) nor the subprocesses of later
+  tests see 8 devices."""
+  import jax
+  jax.devices()
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") +
+                     " --xla_force_host_platform_device_count=1")
+  monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+  return importlib.import_module("sharded_curvature")
+
+
+def test_sharded_curvature_rows(monkeypatch, capsys):
+  """``sharded_curvature.py`` measures the MLP on one device: the K-FAC
+  state's bytes are its covariances and caches, one device's program has
+  no collectives. ``layout=``/``mesh=`` are stood in for by a ``kfl.kfac``
+  that takes and ignores them, so the three layouts' rows run (the
+  replicated layouts' owners default to block i on device i mod D)."""
+  import jax
+  sc = _import_sharded_curvature(monkeypatch)
+  real = sc.kfl.kfac
+
+  def kfac(loss_fn, batch, *, axis_name=None, mesh=None, layout=None, **kw):
+    del axis_name, mesh, layout
+    return real(loss_fn, batch, **kw)
+
+  monkeypatch.setattr(sc.kfl, "kfac", kfac)
+  assert sc.layouts_supported()
+  results = sc.main(["--models", "mlp", "--devices", "1,2", "--no-save",
+                     "--strict"])
+  rows = results["mlp"]
+  assert [(r[0], r[1]) for r in rows] == [
+      (lay, n) for lay in sc.LAYOUTS for n in (1, 2)]
+  dims = sc.MLP_DIMS
+  factors = sum((i + 1) ** 2 + o ** 2 for i, o in zip(dims[:-1], dims[1:]))
+  for lay, n, *rest in rows:
+    if n > len(jax.devices()):
+      assert rest[0].startswith("skipped")
+      continue
+    r, (most, mean) = rest
+    # Covariances and their cached inverses, float32, plus small counters.
+    assert 2 * 4 * factors <= r["state_dev"] == r["state_total"] < (
+        2 * 4 * factors + 2 ** 16)
+    assert all(v["every"] == v["cond"] == 0 for v in r["colls"].values())
+    assert most == mean == sum(sc.block_refresh_flops(r["blocks"]).values())
+  assert "n/a" not in capsys.readouterr().out
+
+
+def test_sharded_curvature_owners_and_flops(monkeypatch):
+  """Refresh FLOPs per device: ``layout.owners`` when the blocks carry one
+  (the sharded layout), block i on device i mod D otherwise, every block on
+  every device under gspmd; 2n³ per dense factor, n per diagonal one."""
+  import types
+  sc = _import_sharded_curvature(monkeypatch)
+  f = lambda *shape: sc.kfl.factor.init_factor(
+      shape[-1], diagonal=len(shape) == 1, batch_shape=shape[:-2])
+  blocks = {"a": (f(4, 4), f(2, 2)), "b": (f(3, 8, 8),), "c": (f(5),)}
+  flops = sc.block_refresh_flops(blocks)
+  assert flops == {"a": 2 * (64 + 8), "b": 3 * 2 * 512, "c": 5}
+  total = sum(flops.values())
+  assert sc.flops_row("gspmd", blocks, flops, 4) == (total, total / 4)
+  assert sc.flops_row("replicated", blocks, flops, 2) == (  # a, c | b
+      flops["b"], total / 2)
+  assert sc.flops_row("replicated", blocks, flops, 1) == (total, total)
+  sharded = types.SimpleNamespace(layout=types.SimpleNamespace(
+      owners={"a": 0, "b": 0, "c": 1}))
+  assert sc.flops_row("sharded", sharded, flops, 2) == (
+      flops["a"] + flops["b"], total / 2)
