@@ -56,7 +56,9 @@ c. collectives: from ``compiled.as_text()`` (``_hlo``): per kind
    included). ``ring/dev``: the bytes one device sends on a ring of ``g``
    devices: all-reduce ``2(g-1)/g·size``, reduce-scatter ``(g-1)/g·input``,
    all-gather and all-to-all ``(g-1)/g·output``, a permute its buffer. A
-   collective in a ``while`` body counts once.
+   collective in a ``while`` body counts once. A ``shard_map`` keeps its
+   collectives at ``D = 1`` (over one device): they count in the bytes
+   columns and send nothing.
 d. refresh FLOPs (analytic): ``c·n³`` per dense factor ``[..., n, n]`` (its
    ``FactorState.cov``; times the leading stack size), ``c = 2``, the
    Gauss-Jordan sweep that ``inverse_method="auto"`` picks on CPU
@@ -79,8 +81,9 @@ import re
 
 if not re.search(r"--xla_force_host_platform_device_count=",
                  os.environ.get("XLA_FLAGS", "")):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = " ".join(
+      os.environ.get("XLA_FLAGS", "").split()
+      + ["--xla_force_host_platform_device_count=8"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
@@ -377,7 +380,9 @@ def header(args, supported):
       "('cond': refresh, statistics gating); AR all-reduce, RS "
       "reduce-scatter, AG all-gather, CP collective-permute, A2A all-to-all.",
       "  ring/dev: bytes one device sends on a ring: AR 2(g-1)/g*size, RS "
-      "(g-1)/g*input, AG and A2A (g-1)/g*output, CP its buffer.",
+      "(g-1)/g*input, AG and A2A (g-1)/g*output, CP its buffer (a "
+      "collective over one device, which a shard_map at D=1 keeps, counts "
+      "in the bytes columns but sends nothing).",
   ]
 
 
