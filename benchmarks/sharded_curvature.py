@@ -43,7 +43,9 @@ Columns (all after compiling the step and running it once):
 a. ``state/dev``: bytes of the ``KfacState`` (found in the optax state by
    type) held on each device: per device the sum of ``shard.data.nbytes``
    over the leaves' ``addressable_shards`` on it; the max over the ``D``
-   devices. ``state total``: its logical bytes (sum of ``leaf.nbytes``).
+   devices. ``state total``: its logical bytes (sum of ``leaf.nbytes``;
+   under ``sharded`` the ``[D, L]`` buffers, so the padding of every row
+   to the longest ``L`` counts).
 b. ``args``, ``out``, ``temp``: ``compiled.memory_analysis()`` of the step
    (argument, output and temporary buffers of the per-device program:
    params, optimizer state and batch shard in; params and state out).
@@ -67,8 +69,9 @@ d. refresh FLOPs (analytic): ``c·n³`` per dense factor ``[..., n, n]`` (its
    sum over the blocks it refreshes: under ``gspmd`` every device runs every
    refresh (the computation is replicated); ``replicated`` refreshes block
    ``i`` (the order of ``KfacState.blocks``) on device ``i mod D``;
-   ``sharded`` on its owner (``KfacState.blocks.layout.owners``: layer name
-   -> device index). ``max/dev`` against ``total/D`` and their ratio
+   ``sharded`` on its owner (``KfacState.blocks``, a
+   ``kfl.sharding.ShardedBlocks``: ``layout.owners[i]`` owns
+   ``layout.names[i]``). ``max/dev`` against ``total/D`` and their ratio
    (1 = perfectly balanced; ``D`` = every device does everything).
 
 The printout goes to ``results/sharded_curvature.txt`` only when the
@@ -91,6 +94,7 @@ import datetime  # noqa: E402
 import inspect  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 
@@ -225,9 +229,12 @@ def owners_of(layout, blocks, names, n):
   """``{layer name: device index}`` refreshing it, or None: every device."""
   if layout == "gspmd":
     return None
-  owners = getattr(getattr(blocks, "layout", None), "owners", None)
-  if owners is not None:
-    return {k: int(v) for k, v in dict(owners).items()}
+  lay = getattr(blocks, "layout", None)  # kfl.sharding.ShardedBlocks
+  owners = getattr(lay, "owners", None)
+  if owners is not None:  # Per layout.names, or a {name: device} dict.
+    pairs = (owners.items() if isinstance(owners, dict)
+             else zip(lay.names, owners))
+    return {k: int(v) for k, v in pairs}
   order = list(blocks) if isinstance(blocks, dict) else names
   return {k: i % n for i, k in enumerate(order)}
 
@@ -350,11 +357,23 @@ def coll_line(layout, n, r):
           f"{fmt_bytes(ring_c):>15}")
 
 
+def source_revision():
+  """``git describe --always --dirty`` of this checkout, or "unknown"."""
+  try:
+    out = subprocess.run(["git", "describe", "--always", "--dirty"],
+                         cwd=os.path.dirname(os.path.abspath(__file__)),
+                         capture_output=True, text=True, timeout=10)
+    return out.stdout.strip() or "unknown"
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+
+
 def header(args, supported):
   import jaxlib.version
   now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
   return [
-      f"{now}  sharded_curvature.py {' '.join(args.argv)}".rstrip(),
+      f"{now}  sharded_curvature.py {' '.join(args.argv)}".rstrip()
+      + f"  (source {source_revision()})",
       f"host {platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"
       f"; jax {jax.__version__} (jaxlib {jaxlib.version.__version__}), optax "
       f"{optax.__version__}, kfac_jax_lite {kfl.__version__}; backend "
@@ -368,7 +387,8 @@ def header(args, supported):
       "kfl.kfac(axis_name='data', mesh=, layout=), jit.",
       "  state/dev: KfacState bytes on the fullest device after one step "
       "(sum of addressable shards' nbytes per device); state total: its "
-      "logical bytes.",
+      "logical bytes (sharded: the [D, L] buffers, padding to the longest "
+      "row L included).",
       "  args/out/temp: compiled.memory_analysis() of the step, per device.",
       "  refresh FLOP: analytic, 2n^3 per dense factor [..., n, n] "
       "(Gauss-Jordan, inverse_method='auto' on CPU; an eigh is ~10n^3), n per "
