@@ -348,3 +348,79 @@ def test_estimation_steps_quick():
   np.testing.assert_allclose(by["empirical_shared"][4], by["empirical"][4],
                              rtol=1e-4)
   assert all(r[5] == "ok" for r in rows)
+
+
+def _import_sharded_curvature(monkeypatch):
+  """The script sets XLA_FLAGS (8 devices) and JAX_PLATFORMS at import when
+  they are unset: here they are set for the import only, so that neither
+  this process (its backend started first) nor the subprocesses of later
+  tests see 8 devices."""
+  import jax
+  jax.devices()
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") +
+                     " --xla_force_host_platform_device_count=1")
+  monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+  return importlib.import_module("sharded_curvature")
+
+
+def test_sharded_curvature_rows(monkeypatch, capsys):
+  """``sharded_curvature.py`` measures the MLP on one device in every
+  layout: the K-FAC state's bytes are its covariances and caches, nothing
+  is sent (a shard_map keeps its one-device collectives, which send
+  nothing), every device refreshes every block. Where ``kfl.kfac`` has no
+  ``layout=``/``mesh=`` a stand-in that ignores them runs the rows."""
+  import jax
+  sc = _import_sharded_curvature(monkeypatch)
+  if not sc.layouts_supported():
+    real = sc.kfl.kfac
+
+    def kfac(loss_fn, batch, *, axis_name=None, mesh=None, layout=None, **kw):
+      del axis_name, mesh, layout
+      return real(loss_fn, batch, **kw)
+
+    monkeypatch.setattr(sc.kfl, "kfac", kfac)
+  results = sc.main(["--models", "mlp", "--devices", "1,2", "--no-save",
+                     "--strict"])
+  rows = results["mlp"]
+  assert [(r[0], r[1]) for r in rows] == [
+      (lay, n) for lay in sc.LAYOUTS for n in (1, 2)]
+  dims = sc.MLP_DIMS
+  factors = sum((i + 1) ** 2 + o ** 2 for i, o in zip(dims[:-1], dims[1:]))
+  for lay, n, *rest in rows:
+    if n > len(jax.devices()):
+      assert rest[0].startswith("skipped")
+      continue
+    r, (most, mean) = rest
+    # Covariances and their cached inverses, float32, plus small counters.
+    assert 2 * 4 * factors <= r["state_dev"] == r["state_total"] < (
+        2 * 4 * factors + 2 ** 16), lay
+    assert all(v["ring_every"] == v["ring_cond"] == 0
+               for v in r["colls"].values()), lay
+    if lay == "gspmd":  # XLA drops the collectives of one device.
+      assert all(v["every"] == v["cond"] == 0 for v in r["colls"].values())
+    # 2n³ per factor, every block on the one device.
+    assert most == mean == 2 * sum(
+        (i + 1) ** 3 + o ** 3 for i, o in zip(dims[:-1], dims[1:])), lay
+  assert "n/a" not in capsys.readouterr().out
+
+
+def test_sharded_curvature_owners_and_flops(monkeypatch):
+  """Refresh FLOPs per device: ``layout.owners`` when the blocks carry one
+  (the sharded layout), block i on device i mod D otherwise, every block on
+  every device under gspmd; 2n³ per dense factor, n per diagonal one."""
+  import types
+  sc = _import_sharded_curvature(monkeypatch)
+  f = lambda *shape: sc.kfl.factor.init_factor(
+      shape[-1], diagonal=len(shape) == 1, batch_shape=shape[:-2])
+  blocks = {"a": (f(4, 4), f(2, 2)), "b": (f(3, 8, 8),), "c": (f(5),)}
+  flops = sc.block_refresh_flops(blocks)
+  assert flops == {"a": 2 * (64 + 8), "b": 3 * 2 * 512, "c": 5}
+  total = sum(flops.values())
+  assert sc.flops_row("gspmd", blocks, flops, 4) == (total, total / 4)
+  assert sc.flops_row("replicated", blocks, flops, 2) == (  # a, c | b
+      flops["b"], total / 2)
+  assert sc.flops_row("replicated", blocks, flops, 1) == (total, total)
+  sharded = types.SimpleNamespace(layout=types.SimpleNamespace(
+      names=("c", "a", "b"), owners=(1, 0, 0)))  # As kfl.sharding.Layout.
+  assert sc.flops_row("sharded", sharded, flops, 2) == (
+      flops["a"] + flops["b"], total / 2)
