@@ -33,8 +33,9 @@ per layout:
 * ``replicated`` and ``sharded``: ``kfl.kfac(loss_fn, batch,
   axis_name="data", mesh=mesh, layout=...)``, the same step under
   ``jax.jit`` (``update`` runs its own ``shard_map``), ``tx.init(params)``
-  placing the curvature on the mesh. Only when ``kfl.kfac`` takes
-  ``layout=`` (``inspect.signature``); otherwise their rows say ``n/a``.
+  placing the curvature on the mesh; ``sharded+inv``: ``layout="sharded",
+  gather="inverses"`` (the caches gathered after refreshes, no per-step
+  gather).
   State leaves that ``init`` leaves off the mesh (the SGD momentum, ...) are
   replicated on it.
 
@@ -91,7 +92,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
-import inspect  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import subprocess  # noqa: E402
@@ -113,7 +113,7 @@ import _hlo  # noqa: E402
 import _models as M  # noqa: E402
 from _harness import RESULTS, kfl  # noqa: E402
 
-LAYOUTS = ("gspmd", "replicated", "sharded")
+LAYOUTS = ("gspmd", "replicated", "sharded", "sharded+inv")
 DEVICES = (1, 2, 4, 8)
 MLP_DIMS = (256, 1024, 256, 1024, 256, 10)
 MLP_BATCH = 64
@@ -122,7 +122,6 @@ AUTOENCODER_BATCH = 1000  # autoencoder.py's default --batch.
 # ("auto" on CPU), from the cost model's table.
 REFRESH_C = dict((name.split()[1], c) for name, c in _cost_model.DECOMP_COSTS)[
     "gauss-jordan"]
-NA = "n/a (layout= not in this version)"
 
 
 # ---------------------------------------------------------------- models
@@ -174,12 +173,6 @@ def make_model(name, seed=0):
 
 
 # ------------------------------------------------------------ measuring
-
-def layouts_supported():
-  """Whether ``kfl.kfac`` takes ``layout=`` (and ``mesh=``)."""
-  params = inspect.signature(kfl.kfac).parameters
-  return "layout" in params and "mesh" in params
-
 
 def kfac_state(opt_state):
   """The ``KfacState`` inside an optax state."""
@@ -258,7 +251,9 @@ def measure(model, layout, n):
   if layout == "gspmd":
     kf = kfl.kfac(loss_fn, batch)
   else:
-    kf = kfl.kfac(loss_fn, batch, axis_name="data", mesh=mesh, layout=layout)
+    kw = (dict(layout="sharded", gather="inverses") if layout == "sharded+inv"
+          else dict(layout=layout))
+    kf = kfl.kfac(loss_fn, batch, axis_name="data", mesh=mesh, **kw)
   tx = optax.chain(kf, optax.sgd(1e-2, momentum=0.9))
   params = jax.device_put(params, rep)
   batch = jax.device_put(batch, data)
@@ -368,7 +363,7 @@ def source_revision():
     return "unknown"
 
 
-def header(args, supported):
+def header(args):
   import jaxlib.version
   now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
   return [
@@ -378,13 +373,12 @@ def header(args, supported):
       f"; jax {jax.__version__} (jaxlib {jaxlib.version.__version__}), optax "
       f"{optax.__version__}, kfac_jax_lite {kfl.__version__}; backend "
       f"{jax.default_backend()}, {len(jax.devices())} devices",
-      "kfl.kfac(layout=, mesh=): " + ("present" if supported else
-                                      "absent (only gspmd measured)"),
       "Per model, two tables; D = devices in the mesh (axis 'data'); "
       "bytes in KiB/MiB/GiB (K/M/G).",
       "  gspmd: kfl.kfac with no axis_name, params+state replicated, batch "
       "sharded, jit (XLA's partitioner); replicated/sharded: "
-      "kfl.kfac(axis_name='data', mesh=, layout=), jit.",
+      "kfl.kfac(axis_name='data', mesh=, layout=), jit; sharded+inv: "
+      "layout='sharded', gather='inverses'.",
       "  state/dev: KfacState bytes on the fullest device after one step "
       "(sum of addressable shards' nbytes per device); state total: its "
       "logical bytes (sharded: the [D, L] buffers, padding to the longest "
@@ -432,14 +426,13 @@ def main(argv=None):
     if lay not in LAYOUTS:
       p.error(f"unknown layout {lay!r}")
 
-  supported = layouts_supported()
   lines = []
 
   def out(line=""):
     print(line, flush=True)
     lines.append(line)
 
-  for line in header(args, supported):
+  for line in header(args):
     out(line)
   available = len(jax.devices())
   results = {}
@@ -458,8 +451,6 @@ def main(argv=None):
       for n in args.devices:
         if n > available:
           rows.append((lay, n, f"skipped: {available} devices here"))
-        elif lay != "gspmd" and not supported:
-          rows.append((lay, n, NA))
         else:
           try:
             r = measure(model, lay, n)
@@ -483,12 +474,7 @@ def main(argv=None):
       out(coll_line(row[0], row[1], row[2]) if len(row) == 4 else
           f"  {row[0]:<11}{row[1]:>2}  {row[2]}")
 
-  if args.no_save:
-    pass
-  elif not supported:
-    print(f"\n(not saved to {args.out}: kfl.kfac has no layout= yet, so only "
-          "gspmd was measured)")
-  else:
+  if not args.no_save:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
       f.write("\n".join(lines) + "\n")

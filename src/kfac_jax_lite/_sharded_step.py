@@ -104,7 +104,10 @@ def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
   index = {n: i for i, n in enumerate(names)}
   me = jax.lax.axis_index(axis)
 
-  stats_p = stats_defs = None
+  stats_p = None
+  stats_defs: list = []
+  shapes: dict = {}
+  halves: list = []
   stat_rows: tuple = ()
   loss = jnp.zeros((), grad_leaves[0].dtype if grad_leaves else jnp.float32)
   if compute_stats is not None:

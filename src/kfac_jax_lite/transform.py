@@ -76,13 +76,13 @@ from kfac_jax_lite import _block_policy
 from kfac_jax_lite import _detection
 from kfac_jax_lite import _first_step
 from kfac_jax_lite import _health_state
+from kfac_jax_lite import _layouts
 from kfac_jax_lite import _sharded_step
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite import sharding
 from kfac_jax_lite import tagging
 from kfac_jax_lite._dtypes import float_dtype
-from kfac_jax_lite.blocks import base as blocks_base
 from kfac_jax_lite._safeguards import clip, guard, inner_product  # noqa: F401
 # The stages of ``update`` (module docstring), public here as before.
 from kfac_jax_lite._stages import (  # noqa: F401
@@ -100,7 +100,9 @@ class KfacState(NamedTuple):
       (split at every update; from ``seed``).
     blocks: ``{layer name: block state}`` (``kfl.blocks``; a leading stack
       axis for a layer stacked along ``lax.scan``): the factors' EMAs and
-      their cached decompositions.
+      their cached decompositions; in the sharded layout a
+      ``kfl.sharding.ShardedBlocks`` holding them on their owners
+      (``kfl.sharding.unshard`` gives the dict).
     num_bad_grads: int32, updates skipped (a zero update) for non-finite
       gradients.
     num_bad_updates: int32, preconditioned updates that were not finite and
@@ -117,7 +119,7 @@ class KfacState(NamedTuple):
 
   count: Any
   key: Any
-  blocks: dict
+  blocks: Any  # dict, or sharding.ShardedBlocks in the sharded layout
   num_bad_grads: Any
   num_bad_updates: Any
   num_bad_damping: Any
@@ -141,30 +143,6 @@ def _check_axis_name(axis_name, params, data):
         "each device would keep its own curvature and the replicas would "
         f"drift apart. Pass kfl.kfac(..., axis_name={axes[0]!r}) (the data "
         "axis), as under pmap")
-
-
-LAYOUTS = ("replicated", "sharded")
-
-
-def _check_layout(layout, axis_name, mesh):
-  """The layout to use (``kfac``'s ``layout`` and ``mesh``), or a
-  ``ValueError`` naming what is missing."""
-  if layout is None:
-    layout = "sharded" if mesh is not None else "replicated"
-  if layout not in LAYOUTS:
-    raise ValueError(f"layout must be one of {LAYOUTS} (or None), got "
-                     f"{layout!r}")
-  if mesh is not None:
-    if axis_name is None or axis_name not in getattr(mesh, "axis_names", ()):
-      raise ValueError(
-          f"kfl.kfac(mesh=...): axis_name must name one of the mesh's axes "
-          f"{tuple(getattr(mesh, 'axis_names', ()))}, got {axis_name!r}")
-  if layout == "sharded" and (axis_name is None
-                              or isinstance(axis_name, (tuple, list))):
-    raise ValueError(
-        "kfl.kfac(layout='sharded') spreads the blocks over the devices of "
-        f"one axis: pass axis_name= (one mesh/pmap axis), got {axis_name!r}")
-  return layout
 
 
 def _check_damping(damping, where="kfac"):
@@ -402,10 +380,7 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
                               "kfac(example_batch)")
   estimators.check_example_axis(example_axis, example_batch, stats_fraction,
                                 "kfac")
-  layout = _check_layout(layout, axis_name, mesh)
-  if gather not in sharding.GATHERS:
-    raise ValueError(f"gather must be one of {sharding.GATHERS}, got "
-                     f"{gather!r}")
+  layout = _layouts.check(layout, axis_name, mesh, gather)
   configured_damping = damping
   damping_schedule = (damping if callable(damping)
                       else (lambda _: configured_damping))
@@ -443,70 +418,15 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
     blocks = {l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))
               for l in tagged_for(params).layers}
     if layout == "sharded":
-      for l in tagged_for(params).layers:
-        if getattr(blocks_base.as_block(l.block).one_slice,
-                   "stats_use_state", False):
-          raise ValueError(
-              f"kfl.kfac(layout='sharded'): the block of {l.name!r} "
-              f"({l.block!r}) measures its statistics in its own state "
-              "(EKFAC), which only its owner holds; use layout='replicated' "
-              "or another block for it (blocks=)")
-      blocks = _sharded_init(blocks)
+      blocks = _layouts.sharded_init(tagged_for(params).layers, blocks,
+                                     axis_name=axis_name, mesh=mesh,
+                                     gather=gather)
     return KfacState(
         count=zero(), key=jax.random.PRNGKey(seed), blocks=blocks,
         num_bad_grads=zero(), num_bad_updates=zero(), num_bad_damping=zero(),
         num_nonfinite_params=zero(),
         health=_health_state.init(params, float_dtype(leaves)),
         stats_due=jnp.ones((), jnp.int32))
-
-  def _sharded_init(blocks):
-    """``blocks`` in the sharded layout: this device's rows inside a map,
-    else all rows placed on ``mesh``."""
-    inverses = ({n: sharding.caches(st) for n, st in blocks.items()}
-                if gather == "inverses" else None)
-    if _sharded_step.axis_is_bound(axis_name):
-      lay = sharding.plan(list(blocks), list(blocks.values()),
-                          _sharded_step.device_count(axis_name), axis_name)
-      return sharding.ShardedBlocks(_sharded_step.init_rows(lay, blocks), lay,
-                                    inverses)
-    if mesh is None:
-      raise ValueError(
-          "kfl.kfac(layout='sharded'): init needs the device count: call "
-          f"tx.init inside the pmap/shard_map over {axis_name!r}, or pass "
-          "mesh=")
-    lay = sharding.plan(list(blocks), list(blocks.values()),
-                        int(mesh.shape[axis_name]), axis_name)
-    place = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec(axis_name))
-    return sharding.ShardedBlocks(
-        [jax.device_put(b, place) for b in sharding.pack_states(lay, blocks)],
-        lay, inverses)
-
-  def on_mesh(updates, state, params, batch, stats, damping, loss):
-    """``update`` under plain ``jit``: the same in a ``shard_map`` over
-    ``mesh``'s ``axis_name``."""
-    P = jax.sharding.PartitionSpec
-    batch_specs = None
-    if batch is not None:
-      examples = tagged_for(params, batch).examples
-      axes = {i: examples.axis_of(k) for k, i in enumerate(examples.leaves)}
-      leaves, treedef = jax.tree.flatten(batch)
-      batch_specs = jax.tree.unflatten(treedef, [
-          P(*([None] * axes[i]), axis_name) if i in axes else P()
-          for i in range(len(leaves))])
-    state_specs = sharding.specs(state)
-    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
-
-    def body(updates, state, params, batch, stats, damping, loss):
-      return run(updates, state, params, batch=batch, stats=stats,
-                 damping=damping, loss=loss, replicated_stats=True)
-    mapped = jax.shard_map(
-        body, mesh=mesh,
-        in_specs=(replicated(updates), state_specs, replicated(params),
-                  batch_specs, replicated(stats), replicated(damping),
-                  replicated(loss)),
-        out_specs=(replicated(updates), state_specs), check_vma=False)
-    return mapped(updates, state, params, batch, stats, damping, loss)
 
   def update_fn(updates, state, params=None, *, batch=None, stats=None,
                 damping=None, loss=None, **extra_args):
@@ -517,7 +437,10 @@ def _kfac(loss_fn, example_batch, *, damping, estimation, num_samples,
     if stats is None and batch is None:
       raise ValueError("kfac.update needs batch= (or precomputed stats=)")
     if mesh is not None and not _sharded_step.axis_is_bound(axis_name):
-      return on_mesh(updates, state, params, batch, stats, damping, loss)
+      examples = None if batch is None else tagged_for(params, batch).examples
+      return _layouts.on_mesh(run, examples, updates, state, params, batch,
+                              stats, damping, loss, mesh=mesh,
+                              axis_name=axis_name)
     return run(updates, state, params, batch=batch, stats=stats,
                damping=damping, loss=loss)
 
