@@ -4,6 +4,13 @@ JSON (``_distributed_worker``'s model, data, loops and ``RESULT`` line).
 
 Model: the ten-block MLP ``DEEP`` (ten 4x4 dense layers, more blocks than
 devices), batch 32, ``inverse_every=2``, 20 steps.
+
+Every step is waited for (``block_until_ready``) before the next is
+dispatched, so that programs over different device sets (meshes of 1, 2,
+4 and 8 devices, pmap) are never in flight together: XLA:CPU runs the
+devices' collectives on one thread pool, and once (in a full parallel
+run of the suite on 2 cores) a rendezvous of 8 devices timed out after
+40 s with 7 arrived.
 """
 from __future__ import annotations
 
@@ -42,8 +49,8 @@ def _jit_run(tx, mesh, params, state, batches):
     updates, state = tx.update(grads, state, params, batch=batch)
     return optax.apply_updates(params, updates), state
   for b in batches:
-    params, state = step(params, state,
-                         jax.device_put(b, NamedSharding(mesh, P("data"))))
+    params, state = jax.block_until_ready(step(
+        params, state, jax.device_put(b, NamedSharding(mesh, P("data")))))
   return params, state, step
 
 
@@ -107,7 +114,7 @@ def scenario_sharded(args):
   state = jax.pmap(tx.init, axis_name="i")(ps)
   step = W.pmap_step(loss_fn, tx)
   for b in batches:
-    ps, state, _ = step(ps, state, split(b))
+    ps, state, _ = jax.block_until_ready(step(ps, state, split(b)))
   k = state[0]
   result.update(pmap_params=W.tolist(W.first(ps)),
                 pmap_caches=W.tolist(_state_caches(k)),
@@ -184,7 +191,7 @@ def scenario_sharded(args):
                               out_specs=(P(), specs)))
   pm = params
   for b in batches:
-    pm, state = run(pm, state, b)
+    pm, state = jax.block_until_ready(run(pm, state, b))
   result["shard_map"] = dict(params=W.tolist(pm),
                              caches=W.tolist(_state_caches(state[0])))
 
@@ -207,7 +214,7 @@ def scenario_sharded(args):
   ps = put(W.replicate(params, n))
   state = jax.pmap(tx.init, axis_name="i")(ps)
   for b in batches:
-    ps, state = stepo(ps, state, split(b))
+    ps, state = jax.block_until_ready(stepo(ps, state, split(b)))
   result["onepass"] = dict(
       params=W.tolist(W.first(ps)), caches=W.tolist(_state_caches(state[0])),
       single_params=W.tolist(q1), single_caches=W.tolist(W.caches(t1[0])))

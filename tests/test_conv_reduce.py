@@ -267,3 +267,32 @@ def test_unknown_override_option_names_the_layer_key_and_options(
   if kind in ("conv", "dense", "embedding"):
     with pytest.raises(ValueError, match=f"{layer!r}.*weight_sharing.*'mean'"):
       kfl.describe(_all_kinds, p, b, blocks={kind: {"weight_sharing": "mean"}})
+
+
+@pytest.mark.parametrize("window,strides,padding,dilation,lhs", [
+    ((3, 3), (1, 1), "SAME", (1, 1), None),
+    ((3, 3), (2, 2), "SAME", (1, 1), None),
+    ((3, 2), (1, 2), "VALID", (2, 1), None),
+    ((3, 3), (1, 1), ((1, 2), (0, 1)), (1, 1), None),
+    ((3, 3), (1, 1), ((-1, 1), (2, 0)), (1, 1), None),
+    ((5,), (2,), "SAME", (2,), None),
+    ((2, 3, 2), (1, 2, 1), "VALID", (1, 1, 2), None),
+    ((3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), (2, 2)),  # transposed
+])
+def test_conv_patches_by_slicing_equal_jax_patches(window, strides, padding,
+                                                   dilation, lhs):
+  """The conv block's patches (strided slices of the padded input: no
+  arithmetic) are ``lax.conv_general_dilated_patches``' exactly, in float64,
+  in every padding, stride and dilation; with input dilation they are
+  JAX's own."""
+  from jax import lax
+  from kfac_jax_lite.blocks import conv
+  with x64_mode(True):
+    x = jnp.asarray(np.random.default_rng(0).normal(
+        size=(2, 3) + (9,) * len(window)))
+    want = lax.conv_general_dilated_patches(
+        x, window, strides, padding, lhs_dilation=lhs,
+        rhs_dilation=dilation, precision=lax.Precision.HIGHEST)
+    got = conv._patches(x, window, strides, padding, lhs, dilation)
+    assert got.shape == want.shape and got.dtype == jnp.float64
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -143,9 +143,14 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
     compute the statistics at all (amortisation, module doc): ``True`` (the
     default) always; ``False`` never (the plain ``jax.value_and_grad``, with
     zero ``stats`` and ``weights`` of the same shapes); a traced boolean,
-    such as ``kfl.stats_due(state)``, chooses at run time through one
-    ``lax.cond``, so only the chosen branch runs (under ``vmap`` with a
-    batched flag the cond becomes a select and both run).
+    such as ``kfl.stats_due(state)``, chooses at run time: the forward pass
+    and the gradient always run, the statistics' own work (the sampled
+    backward pass, the factors' products) under one ``lax.cond``, so only
+    on the steps that use them (under ``vmap`` with a batched flag the cond
+    becomes a select and both run). The gradient stays outside the
+    conditional because XLA:CPU compiles a convolution's gradient in a
+    conditional branch without its fast kernels (9x slower on the conv net
+    of ``benchmarks/``).
   """
   check_estimation(estimation, num_samples)
   check_stats_fraction(stats_fraction)
@@ -160,17 +165,23 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
   stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)",
                    tagged.examples)  # Now knowing which leaves are examples.
 
-  def with_statistics(params, batch, key, states):
+  def with_statistics(params, batch, key, states, flag=True):
     if stats_fraction >= 1.0:
       return estimate(tagged, params, batch, key, estimation=estimation,
-                      num_samples=num_samples, states=states)
-    part = estimate(tagged, params,
-                    stats_slice(batch, stats_fraction, "value_grad_and_stats",
-                                tagged.examples),
-                    key, estimation=estimation, num_samples=num_samples,
-                    states=states)
+                      num_samples=num_samples, states=states,
+                      with_stats=flag)
+    part = lambda: estimate(
+        tagged, params, stats_slice(batch, stats_fraction,
+                                    "value_grad_and_stats", tagged.examples),
+        key, estimation=estimation, num_samples=num_samples, states=states)
     loss, aux, grads = plain(params, batch)
-    return Estimate(loss, aux, grads, part.stats, part.weights)
+    if flag is True:
+      stats, weights = part()[3:]
+    else:  # Only the slice's pass under the conditional (``estimate``).
+      shapes = jax.eval_shape(lambda: part()[3:])
+      stats, weights = jax.lax.cond(flag, lambda: part()[3:], lambda: jax.tree.map(
+          lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+    return Estimate(loss, aux, grads, stats, weights)
 
   def plain(params, batch):
     out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
@@ -192,8 +203,9 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
     if flag.shape != () or flag.dtype != jnp.bool_:
       raise ValueError("with_stats must be a bool or a scalar boolean array "
                        f"(kfl.stats_due(state)), got {flag.dtype}{list(flag.shape)}")
-    return jax.lax.cond(flag, with_statistics, without_statistics,
-                        params, batch, key, states)
+    # The statistics' work alone runs under a lax.cond (``estimate``): the
+    # forward and gradient passes stay outside it.
+    return with_statistics(params, batch, key, states, flag)
 
   fn.tagged = tagged
   return fn

@@ -41,6 +41,7 @@ with the layer's own window.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import typing
 
@@ -70,6 +71,44 @@ def _freeze(x):
   return tuple(_freeze(v) if isinstance(v, (list, tuple)) else int(v) for v in x)
 
 
+def _patches(x, window, strides, padding, lhs_dilation, rhs_dilation):
+  """``lax.conv_general_dilated_patches`` of ``x [N, C, *spatial]``:
+  ``[N, C·K, *out_spatial]``, features in ``(c, k)`` order (``k`` the
+  window position, row-major).
+
+  Without input dilation, by strided slices of the padded input: no
+  arithmetic, where JAX's patches are a convolution with a one-hot kernel
+  (``N·T·(C·K)²`` multiply-adds: on the conv net of ``benchmarks/`` more
+  than its whole training step, and on XLA:CPU slower still inside a
+  ``lax.cond``). With ``lhs_dilation`` (a transposed convolution), JAX's.
+  """
+  nsp = len(window)
+  strides = tuple(strides) if strides is not None else (1,) * nsp
+  if lhs_dilation is not None and any(d != 1 for d in lhs_dilation):
+    return lax.conv_general_dilated_patches(
+        x, window, strides, padding, lhs_dilation=lhs_dilation,
+        rhs_dilation=rhs_dilation, precision=lax.Precision.HIGHEST)
+  dilation = (tuple(rhs_dilation) if rhs_dilation is not None
+              else (1,) * nsp)
+  extent = tuple((k - 1) * d + 1 for k, d in zip(window, dilation))
+  if isinstance(padding, str):
+    pads = lax.padtype_to_pads(x.shape[2:], extent, strides, padding)
+  else:
+    pads = tuple(tuple(p) for p in padding)
+  xp = lax.pad(x, jnp.zeros((), x.dtype), ((0, 0, 0), (0, 0, 0)) + tuple(
+      (lo, hi, 0) for lo, hi in pads))
+  out = tuple((p - e) // s + 1
+              for p, e, s in zip(xp.shape[2:], extent, strides))
+  slices = []
+  for offsets in itertools.product(*(range(k) for k in window)):
+    start = (0, 0) + tuple(o * d for o, d in zip(offsets, dilation))
+    limit = x.shape[:2] + tuple(b + (o - 1) * s + 1
+                                for b, o, s in zip(start[2:], out, strides))
+    slices.append(lax.slice(xp, start, limit, (1, 1) + strides))
+  patches = jnp.stack(slices, axis=2)  # N, C, K, *out_spatial
+  return patches.reshape((x.shape[0], x.shape[1] * len(slices)) + out)
+
+
 def conv_data(block, inputs, cotangents, weights):
   """Per-example patches and cotangents of a convolution, per group.
 
@@ -90,10 +129,8 @@ def conv_data(block, inputs, cotangents, weights):
                      f"{lay.in_per_group * lay.groups}")
   dtype = base.stats_dtype(inputs, cotangents)
   x = jnp.transpose(inputs, dn.lhs_spec).astype(dtype)  # N, C, *spatial
-  patches = lax.conv_general_dilated_patches(
-      x, lay.spatial, block.window_strides, block.padding,
-      lhs_dilation=block.lhs_dilation, rhs_dilation=block.rhs_dilation,
-      precision=lax.Precision.HIGHEST)  # N, C·K, *out_spatial; (c, k) order
+  patches = _patches(x, lay.spatial, block.window_strides, block.padding,
+                     block.lhs_dilation, block.rhs_dilation)
   n = x.shape[0]
   k = math.prod(lay.spatial)
   patches = patches.reshape(n, lay.groups, lay.in_per_group, k, -1)
