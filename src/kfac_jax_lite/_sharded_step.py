@@ -2,8 +2,8 @@
 (``kfl.sharding``): statistics reduce-scattered to the blocks' owners,
 accumulated and refreshed there, the owners' preconditioned gradients
 all-gathered. Runs on every device of the layout's axis (inside ``pmap``
-or ``shard_map``; under ``jit`` with a mesh ``transform`` wraps it in a
-``shard_map``); the per-block work is ``_stages``' ``accumulate``,
+or ``shard_map``; under ``jit`` with a mesh ``_layouts.on_mesh`` wraps the
+update in a ``shard_map``); the per-block work is ``_stages``' ``accumulate``,
 ``refresh`` and ``precondition``, called on each device's own blocks.
 """
 from __future__ import annotations
