@@ -241,6 +241,21 @@ def scenario_sharded(args):
                              caches=W.tolist(W.caches(sone[0])))
   result["health"] = str(kfl.health(s4))
 
+  # kfl.kfac_optimizer in the sharded layout under pmap (init inside the
+  # pmap), 5 steps (the 5th adapts the damping), against one device.
+  kw = dict(estimation="exact", inverse_every=2)
+  q1, _, _ = W.run_single(loss_fn, params, batches[:5],
+                          kfl.kfac_optimizer(loss_fn, batches[0], **kw))
+  opt = kfl.kfac_optimizer(loss_fn, batches[0], axis_name="i",
+                           layout="sharded", **kw)
+  ps = put(W.replicate(params, n))
+  state = jax.pmap(opt.init, axis_name="i")(ps)
+  step = W.pmap_step(loss_fn, opt)
+  for b in batches[:5]:
+    ps, state, _ = jax.block_until_ready(step(ps, state, split(b)))
+  result["optimizer"] = dict(params=W.tolist(W.first(ps)),
+                             single_params=W.tolist(q1))
+
   # Refusals: a state of 8 devices in a step on 4; init outside any map
   # without a mesh; EKFAC.
   errors = {}

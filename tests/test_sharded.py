@@ -166,6 +166,16 @@ def test_checkpoint_from_8_devices_restores_on_4_and_on_1(where):
   assert "kfac: ok" in r["health"]
 
 
+def test_kfac_optimizer_in_the_sharded_layout_equals_one_device():
+  """``kfl.kfac_optimizer(..., axis_name="i", layout="sharded")`` under
+  ``pmap`` (its quadratic model and ρ device means, its inner ``kfl.kfac``
+  sharded), 5 steps including a damping adaptation: the parameters of
+  one device's run."""
+  r = result()["optimizer"]
+  _same(r["params"], r["single_params"], depth=5)
+  _params_within_1e12(r["params"], r["single_params"])
+
+
 def test_refusals_name_the_problem():
   e = result()["errors"]
   assert "sharded over 8 devices" in e["devices"] and "shard_like" in e[
@@ -218,3 +228,5 @@ def test_mesh_refusals_on_one_device():
     kfl.kfac(loss, batch, mesh=mesh, axis_name="model")
   with pytest.raises(ValueError, match="mesh= .* is not supported"):
     kfl.kfac_optimizer(loss, batch, mesh=mesh, axis_name="data")
+  with pytest.raises(ValueError, match="chooses what the sharded layout"):
+    kfl.kfac(loss, batch, gather="inverses")

@@ -23,6 +23,11 @@ def check(layout, axis_name, mesh, gather):
   if gather not in sharding.GATHERS:
     raise ValueError(f"gather must be one of {sharding.GATHERS}, got "
                      f"{gather!r}")
+  if gather != "updates" and layout != "sharded":
+    raise ValueError(
+        f"kfl.kfac(gather={gather!r}) chooses what the sharded layout "
+        f"gathers; the {layout!r} layout keeps every cache on every device "
+        "already: pass layout='sharded' (with axis_name) or drop gather=")
   if mesh is not None:
     if axis_name is None or axis_name not in getattr(mesh, "axis_names", ()):
       raise ValueError(
