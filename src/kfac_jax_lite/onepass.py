@@ -165,7 +165,7 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
   stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)",
                    tagged.examples)  # Now knowing which leaves are examples.
 
-  def with_statistics(params, batch, key, states, flag=True):
+  def with_statistics(params, batch, key, states, flag: Any = True):
     if stats_fraction >= 1.0:
       return estimate(tagged, params, batch, key, estimation=estimation,
                       num_samples=num_samples, states=states,
