@@ -32,14 +32,30 @@ WORKER = os.path.join(HERE, "_sharded_worker.py")
 TOL = td.MULTIHOST_TOL
 
 
-@functools.lru_cache(maxsize=None)
-def result():
+# XLA:CPU ends a process whose devices do not all reach a collective within
+# 40 s. Once, in a full parallel run of the suite on 2 cores, one of the 8
+# device threads did not (7 arrived): starved, as far as could be told.
+# The worker's collectives wait longer; a jaxlib without the flag refuses
+# it ("Unknown flag"), and the worker then runs without it.
+PATIENT = "--xla_cpu_collective_call_terminate_timeout_seconds=300"
+
+
+def _run(env):
   cmd = [sys.executable, WORKER, "sharded", "--devices", "8"]
   try:
-    proc = subprocess.run(cmd, env=td._env(8), capture_output=True, text=True,
+    return subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=400, cwd=os.path.dirname(HERE))
   except subprocess.TimeoutExpired as e:
     pytest.fail(f"sharded worker timed out; stderr:\n{(e.stderr or b'')[-3000:]!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def result():
+  env = td._env(8)
+  patient = dict(env, XLA_FLAGS=f"{env['XLA_FLAGS']} {PATIENT}")
+  proc = _run(patient)
+  if proc.returncode and "nknown flag" in proc.stderr:
+    proc = _run(env)
   if proc.returncode:
     pytest.fail(f"sharded worker exited with {proc.returncode}:\n"
                 f"{proc.stderr[-5000:]}")
