@@ -53,7 +53,7 @@ def sharded_init(layers, blocks, *, axis_name, mesh, gather):
           f"({l.block!r}) measures its statistics in its own state (EKFAC), "
           "which only its owner holds; use layout='replicated' or another "
           "block for it (blocks=)")
-  inverses = ({n: sharding.caches(st) for n, st in blocks.items()}
+  inverses = ({n: blocks_base.caches(st) for n, st in blocks.items()}
               if gather == "inverses" else None)
   if _sharded_step.axis_is_bound(axis_name):
     lay = sharding.plan(list(blocks), list(blocks.values()),

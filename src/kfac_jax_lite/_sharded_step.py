@@ -16,7 +16,8 @@ from kfac_jax_lite import sharding
 from kfac_jax_lite import tagging
 from kfac_jax_lite.blocks import base as blocks_base
 from kfac_jax_lite.factor import FactorState
-from kfac_jax_lite._stages import accumulate, precondition, refresh
+from kfac_jax_lite._stages import (accumulate, precondition, refresh,
+                                   refresh_needs)
 
 
 def device_count(axis_name) -> int:
@@ -119,7 +120,7 @@ def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
               for x, h in zip(jax.tree.leaves(shapes[n]), half)]
              for n, half in zip(names, halves)]
     stats_defs = [jax.tree.structure(shapes[n]) for n in names]
-    stats_p = sharding.packing(items, layout.owners, devices)
+    stats_p = sharding.packing(items, layout.owners)
 
     def scattered():
       stats, value = compute_stats()
@@ -148,7 +149,7 @@ def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
     items = [[grad_leaves[i] for i in l.leaves] for l in layers]
   else:  # The owners' caches gathered after a refresh.
     items = [jax.tree.leaves(inverses[n]) for n in names]
-  out_p = sharding.packing(items, layout.owners, devices)
+  out_p = sharding.packing(items, layout.owners)
   local = tuple(jnp.reshape(b, (-1,)) for b in blocks.buffers)
 
   def branch(d):
@@ -165,8 +166,7 @@ def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
         fold = lambda s: accumulate(mine, s, stats, cov_decay)
         states = (fold(states) if stats_due is None else
                   jax.lax.cond(stats_due, fold, lambda s: s, states))
-      needs = [damping_ok & (refresh_due | ~_block(l).is_ready(states[l.name]))
-               for l in mine]
+      needs = refresh_needs(mine, states, damping_ok, refresh_due)
       states = refresh(mine, states, lam, damping_ok, refresh_due, count,
                        precon_power=precon_power,
                        inverse_method=inverse_method)

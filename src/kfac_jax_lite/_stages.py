@@ -86,6 +86,13 @@ def accumulate(layers, states, stats, cov_decay):
           for l in layers}
 
 
+def refresh_needs(layers, states, damping_ok, due):
+  """Per layer, whether ``refresh`` refreshes it: with a good damping, on a
+  refresh step (``due``) or while its block is not ready."""
+  return [damping_ok & (due | ~_block(l).is_ready(states[l.name]))
+          for l in layers]
+
+
 def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
             inverse_method, axis_name=None):
   """Refreshes the cached decompositions at ``damping`` where needed.
@@ -99,8 +106,7 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
   Under ``axis_name`` each device refreshes only its share (block ``i`` on
   device ``i mod n``) and the caches are shared with a ``psum``.
   """
-  needs = [damping_ok & (due | ~_block(l).is_ready(states[l.name]))
-           for l in layers]
+  needs = refresh_needs(layers, states, damping_ok, due)
   if not layers:
     return states
 

@@ -49,10 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax_lite.factor import FactorState
+from kfac_jax_lite.blocks import base as blocks_base
 
 __all__ = ["GATHERS", "Layout", "ShardedBlocks", "bytes_per_device",
-           "caches", "owners", "plan", "shard_like", "specs", "unshard",
+           "owners", "plan", "shard_like", "specs", "unshard",
            "unshard_blocks"]
 
 GATHERS = ("updates", "inverses")
@@ -118,14 +118,6 @@ class ShardedBlocks:
             f"{', inverses gathered' if self.inverses is not None else ''})")
 
 
-def caches(state):
-  """The ``FactorCache``s of a block state, in its structure (what a
-  ``Block``'s ``caches`` returns)."""
-  is_factor = lambda x: isinstance(x, FactorState)
-  return jax.tree.map(lambda f: f.cache if is_factor(f) else f, state,
-                      is_leaf=is_factor)
-
-
 # --------------------------------------------------------------- packing
 # A packing places items (blocks; their statistics; their updates), each a
 # list of arrays, into per-dtype rows, one row per device: row d holds the
@@ -137,8 +129,8 @@ class Packing(NamedTuple):
   lengths: tuple  # ((dtype name, L), ...)
 
 
-def packing(items: Sequence[Sequence[Any]], owners: Sequence[int],
-            devices: int) -> Packing:
+def packing(items: Sequence[Sequence[Any]], owners: Sequence[int]
+            ) -> Packing:
   """The packing of ``items`` (each a sequence of arrays or shape-dtype
   structs) with item ``i`` on device ``owners[i]``."""
   used: dict = {}  # (device, dtype) -> length so far
@@ -157,7 +149,6 @@ def packing(items: Sequence[Sequence[Any]], owners: Sequence[int],
   lengths = tuple((name, max([1] + [n for (_, t), n in used.items()
                                      if t == name]))
                   for name in sorted(dtypes))
-  del devices  # Rows are indexed by device; every row has the same length.
   return Packing(tuple(owners), tuple(slots), lengths)
 
 
@@ -252,7 +243,7 @@ def plan(names: Sequence[str], states: Sequence[Any], devices: int,
                      f"{devices!r}")
   owners = assign_owners(block_costs(states), devices)
   leaves = [jax.tree.leaves(st) for st in states]
-  p = packing(leaves, owners, devices)
+  p = packing(leaves, owners)
   return Layout(axis_name, devices, tuple(names), owners,
                 tuple(jax.tree.structure(st) for st in states), p.slots,
                 p.lengths)
@@ -371,7 +362,7 @@ def shard_like(state, like):
       if target.blocks.inverses is not None:
         inverses = jax.tree.map(
             lambda new, old: jnp.reshape(new, old.shape).astype(old.dtype),
-            {n: caches(blocks[n]) for n in layout.names},
+            {n: blocks_base.caches(blocks[n]) for n in layout.names},
             target.blocks.inverses)
       blocks = ShardedBlocks(placed, layout, inverses)
     out.append(x._replace(blocks=blocks))

@@ -200,9 +200,8 @@ class Block(abc.ABC):
 
   # The state's bookkeeping (one block; ``Stacked`` maps it over its stack).
   def caches(self, state):
-    """The ``FactorCache``s of ``state``, in its structure."""
-    return jax.tree.map(lambda f: f.cache if _is_factor(f) else f, state,
-                        is_leaf=_is_factor)
+    """The ``FactorCache``s of ``state``, in its structure (``caches``)."""
+    return caches(state)
 
   def with_caches(self, state, caches):
     """``state`` with its factors' caches replaced by ``caches`` (the
@@ -284,6 +283,13 @@ def _is_factor(x):
 def _factors(state):
   return [f for f in jax.tree.leaves(state, is_leaf=_is_factor)
           if _is_factor(f)]
+
+
+def caches(state):
+  """A block state's ``FactorCache``s, in its structure (its other leaves
+  as they are)."""
+  return jax.tree.map(lambda f: f.cache if _is_factor(f) else f, state,
+                      is_leaf=_is_factor)
 
 
 def has_statistics(state):
