@@ -135,12 +135,18 @@ def amortised_family(loss_fn, params, example, lr, style, seed, configs=None,
 
 def optax_families(loss_fn, params, example_batch, seed=0):
   """A script's ``optax_family(fid, name, grid, make_tx, style="grad",
-  note="")``: the :class:`Family` whose candidate at ``settings`` trains
-  ``make_tx(**settings)`` on ``loss_fn`` from ``params`` in ``style``."""
-  def optax_family(fid, name, grid, make_tx, style="grad", note=""):
-    return Family(fid, name, grid, lambda s: optax_candidate(
-        name, s, style, lambda: make_tx(**s), loss_fn, params, example_batch,
-        seed), note)
+  note="", cov_style=False)``: the :class:`Family` whose candidate at
+  ``settings`` trains ``make_tx(**settings)`` on ``loss_fn`` from
+  ``params`` in ``style`` (in ``"cov"`` where ``cov_style`` and the
+  settings' ``cov_every > 1``)."""
+  def optax_family(fid, name, grid, make_tx, style="grad", note="",
+                   cov_style=False):
+    def candidate(s):
+      # cov_style: a point with cov_every > 1 steps in the "cov" style.
+      step_style = "cov" if cov_style and s.get("cov_every", 1) > 1 else style
+      return optax_candidate(name, s, step_style, lambda: make_tx(**s),
+                             loss_fn, params, example_batch, seed)
+    return Family(fid, name, grid, candidate, note)
   return optax_family
 
 
@@ -183,27 +189,35 @@ def grid(**values) -> list[dict]:
 def eigen_adam_families(optax_family, loss_fn, example, lrs, style,
                         weight_decay=None):
   """Issue 26's two families for a benchmark: ``kfl.eigen_adam`` in K-FAC's
-  basis (``style``: the script's K-FAC step style) and in Shampoo's (SOAP),
-  each chained with ``scale_by_learning_rate(lr)`` over ``lrs`` (and
+  basis (``style``: the script's K-FAC step style; with ``cov_every > 1``
+  the ``"cov"`` style, so the one-pass statistics are skipped where the
+  transform does not fold them) and in Shampoo's (SOAP), each chained with
+  ``scale_by_learning_rate(lr)`` over ``lrs`` (and
   ``add_decayed_weights(weight_decay)`` before it, as AdamW, if given).
+  Both grids also hold ``cov_every`` and ``refresh_every`` (the defaults,
+  1 and 10; ``--set eigen_adam.cov_every=5`` moves them).
   ``optax_family(fid, name, grid, make_tx, style=, note=)``: the script's."""
   import optax
   import kfac_jax_lite as kfl
 
   def make(**options):
-    def make_tx(lr):
-      parts = [kfl.eigen_adam(loss_fn, example, **options)]
+    def make_tx(lr, cov_every=1, refresh_every=10):
+      parts = [kfl.eigen_adam(loss_fn, example, cov_every=cov_every,
+                              refresh_every=refresh_every, **options)]
       if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))
       return optax.chain(*parts, optax.scale_by_learning_rate(lr))
     return make_tx
   wd = (f" + weight decay {weight_decay:g} (as AdamW)" if weight_decay
         else "")
+  amortised = {"cov_every": [1], "refresh_every": [10]}
   return [
-      optax_family("eigen_adam", "EigenAdam K-FAC", {"lr": list(lrs)}, make(),
-                   style=style, note="kfl.eigen_adam(loss_fn, batch) defaults "
-                   "(eigh every 10 steps)" + wd),
-      optax_family("soap", "EigenAdam SOAP", {"lr": list(lrs)},
+      optax_family("eigen_adam", "EigenAdam K-FAC",
+                   {"lr": list(lrs), **amortised}, make(),
+                   style=style, note="kfl.eigen_adam(loss_fn, batch) "
+                   "(eigh every refresh_every steps)" + wd,
+                   cov_style=style == "1-pass"),
+      optax_family("soap", "EigenAdam SOAP", {"lr": list(lrs), **amortised},
                    make(basis="shampoo"),
                    note="kfl.eigen_adam(..., basis='shampoo')" + wd)]
 

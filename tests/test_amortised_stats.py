@@ -94,7 +94,7 @@ def test_stats_due_follows_cov_every_in_any_state():
 
   opt = kfl.kfac_optimizer(loss_fn, batch)
   assert bool(kfl.stats_due(opt.init(params)))
-  with pytest.raises(ValueError, match="exactly one kfl.kfac state"):
+  with pytest.raises(ValueError, match="exactly one kfl.kfac"):
     kfl.stats_due(optax.adam(1e-3).init(params))
 
 

@@ -424,11 +424,137 @@ def test_checkpoint_round_trip_resumes_bit_for_bit():
       np.testing.assert_array_equal(a, b)
 
 
+# --- cov_every: the statistics only on its counts ------------------------------
+
+def _walk_counts(jaxpr, names):
+  """How many equations of each primitive in ``names`` ``jaxpr`` holds,
+  the jaxprs inside it included."""
+  counts = dict.fromkeys(names, 0)
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name in counts:
+        counts[eqn.primitive.name] += 1
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          if hasattr(sub, "eqns"):
+            walk(sub)
+          elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+            walk(sub.jaxpr)
+  walk(jaxpr)
+  return counts
+
+
+def _covs(state):
+  return [np.asarray(kfl.factor.factor_value(f)) for f in jax.tree.leaves(
+      state.blocks, is_leaf=lambda x: isinstance(x, kfl.factor.FactorState))]
+
+
+@pytest.mark.parametrize("basis", ["kfac", "shampoo"])
+def test_cov_every_folds_statistics_only_on_its_counts(basis):
+  """With ``cov_every=3`` the factors after 7 updates are the EMA of the
+  statistics of updates 0, 3 and 6 alone: those of a ``cov_every=1`` run
+  fed only those (the Shampoo basis: of the gradients at those updates);
+  between them they do not move, and ``kfl.stats_due`` says so."""
+  with x64_mode(True):
+    params, batch = dense_problem(n=8)
+    tagged = eigen_adam_layers(dense_loss, batch, params)
+    rng = np.random.default_rng(5)
+    layer = [l for l in tagged.layers if l.name in diagonal_stats(tagged)][0]
+    fa, fg = layer.block.factor_shapes
+    stats_seq = [{layer.name: B.KroneckerState(
+        a=jnp.broadcast_to(spd(rng, fa[-1]), fa),
+        g=jnp.broadcast_to(spd(rng, fg[-1]), fg))}
+        for _ in range(7)]
+    options = dict(basis=basis, refresh_every=2, cov_decay=0.7)
+    tx = kfl.eigen_adam(dense_loss, batch, cov_every=3, **options)
+    state = tx.init(params)
+    step = jax.jit(lambda g, s, p, st: tx.update(
+        g, s, p, **({"stats": st} if basis == "kfac" else {})))
+    p, due, covs, grads = params, [], [], []
+    for t in range(7):
+      due.append(bool(kfl.stats_due(state)))
+      g = jax.grad(dense_loss)(p, batch)
+      grads.append(g)
+      u, state = step(g, state, p, stats_seq[t])
+      covs.append(_covs(state))
+      p = optax.apply_updates(p, jax.tree.map(lambda x: -0.05 * x, u))
+    assert due == [True, False, False, True, False, False, True]
+    for t in (1, 2, 4, 5):  # No fold: the factors stay as they were.
+      for a, b in zip(covs[t], covs[t - 1]):
+        np.testing.assert_array_equal(a, b)
+
+    ref = kfl.eigen_adam(dense_loss, batch, cov_every=1, **options)
+    rstate = ref.init(params)
+    for t in (0, 3, 6):
+      _, rstate = jax.jit(lambda g, s, p, st: ref.update(
+          g, s, p, **({"stats": st} if basis == "kfac" else {})))(
+              grads[t], rstate, params, stats_seq[t])
+    for a, b in zip(covs[6], _covs(rstate)):
+      np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)
+    assert any(np.abs(a).max() > 0 for a in covs[6])
+
+
+def test_cov_every_skips_the_statistics_pass_in_the_program():
+  """``batch=``: the sampled statistics pass sits in a ``lax.cond`` branch
+  that the other counts take not (checked on the program); the one-pass
+  style with ``with_stats=kfl.stats_due(state)`` gives the same run to
+  float64 rounding."""
+  with x64_mode(True):
+    params, batch = dense_problem(n=8)
+    grads = jax.grad(dense_loss)(params, batch)
+    work = ("dot_general", "random_bits")
+    tx = kfl.eigen_adam(dense_loss, batch, cov_every=2)
+    state = tx.init(params)
+    every = kfl.eigen_adam(dense_loss, batch)
+    jx = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p, batch=batch))(
+        grads, state, params).jaxpr
+    folds = [e for e in jx.eqns if e.primitive.name == "cond"]
+    assert len(folds) == 2  # The statistics' fold, then the refresh.
+    skip, take = folds[0].params["branches"]
+    assert not any(_walk_counts(skip.jaxpr, work).values())
+    inside = _walk_counts(take.jaxpr, work)
+    assert inside["random_bits"] > 0 and inside["dot_general"] > 0
+    jx1 = jax.make_jaxpr(lambda g, s, p: every.update(g, s, p, batch=batch))(
+        grads, every.init(params), params).jaxpr
+    assert [e.primitive.name for e in jx1.eqns].count("cond") == 1
+    # The cond's taken branch holds what cov_every=1 computes outside.
+    outside = _walk_counts(jx, work)
+    assert outside["random_bits"] == _walk_counts(jx1, work)["random_bits"]
+
+    batches = [dense_problem(seed=s, n=8)[1] for s in range(5)]
+    est_fn = kfl.value_grad_and_stats(dense_loss, params, batch)
+    one = kfl.eigen_adam(dense_loss, batch, cov_every=2, refresh_every=2)
+    two = kfl.eigen_adam(dense_loss, batch, cov_every=2, refresh_every=2)
+
+    @jax.jit
+    def one_pass(p, s, b):
+      key = jax.random.split(s.key)[1]  # eigen_adam's own statistics key.
+      est = est_fn(p, b, key, with_stats=kfl.stats_due(s))
+      u, s = one.update(est.grads, s, p, stats=est.stats)
+      return optax.apply_updates(p, jax.tree.map(lambda x: -0.05 * x, u)), s
+
+    @jax.jit
+    def batch_style(p, s, b):
+      u, s = two.update(jax.grad(dense_loss)(p, b), s, p, batch=b)
+      return optax.apply_updates(p, jax.tree.map(lambda x: -0.05 * x, u)), s
+
+    p1, s1, p2, s2 = params, one.init(params), params, two.init(params)
+    for b in batches:
+      p1, s1 = one_pass(p1, s1, b)
+      p2, s2 = batch_style(p2, s2, b)
+    moved = max(float(np.abs(a - b).max()) for a, b in
+                zip(jax.tree.leaves(p2), jax.tree.leaves(params)))
+    assert moved > 1e-2
+    for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2))):
+      np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
 def test_bad_arguments_are_refused():
   params, batch = jax.tree.map(lambda x: np.asarray(x, np.float32),
                                dense_problem())
   for kw in ({"basis": "adam"}, {"refresh": "qr"}, {"nu_rebase": "rotate"},
-             {"refresh_every": 0}):
+             {"refresh_every": 0}, {"cov_every": 0}, {"cov_every": 1.5}):
     with pytest.raises(ValueError, match=list(kw)[0]):
       kfl.eigen_adam(dense_loss, batch, **kw)
   ea = kfl.eigen_adam(dense_loss, batch)

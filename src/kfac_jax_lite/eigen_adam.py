@@ -88,7 +88,8 @@ basis; ``results/eigen_adam_rules.txt``): ``"keep"`` ended lower in loss
 than ``"project"`` in every run (by 4-6% at lr 3e-3, 2% at 1e-2), hence
 the default. Steps, not wall-clock: that comparison is not made yet.
 
-State (``EigenAdamState``): the step count, the sampling key, per rotated
+State (``EigenAdamState``): the step count, whether the next update folds
+in statistics (``kfl.stats_due`` reads it), the sampling key, per rotated
 layer its Kronecker block state (``A``, ``G`` as ``FactorState``s whose
 ``"eigh"`` caches hold the bases: ``cache.eigvecs`` ``Q``, ``cache.step``
 the step of their last refresh, ``-1`` before the first) and its moments
@@ -129,6 +130,7 @@ class EigenAdamState(NamedTuple):
   the bases for the rotated layers and plainly for the other leaves."""
 
   count: Any  # int32: updates so far.
+  stats_due: Any  # int32: 1 when the next update folds in statistics.
   key: Any  # PRNG key for the sampled estimators (basis="kfac", batch=).
   blocks: dict  # rotated layer -> KroneckerState; caches: bases Q.
   mu_basis: dict  # rotated layer -> first moment m [groups, a, b], in its basis.
@@ -271,6 +273,7 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
                eps_root: float = 0.0, basis: str = "kfac",
                refresh: str = "eigh", refresh_every: int = 10,
                nu_rebase: str = "keep", cov_decay: float = 0.95,
+               cov_every: int = 1,
                estimation: str = "fisher", num_samples: int = 1,
                stats_fraction: float = 1.0,
                blocks: Mapping[str, Any] | None = None,
@@ -304,6 +307,13 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       diagonal of its matrix in the new basis); the first moment is always
       rotated.
     cov_decay: ``β`` of the factors' zero-debiased EMA (both bases).
+    cov_every: the statistics are formed and folded into the factors only
+      at the counts that are multiples of it (both bases; at the others
+      ``stats=`` is ignored and ``batch=`` only checked): with ``"kfac"``
+      the sampled backward pass, the largest piece of the step after the
+      rotations, is then paid once in ``cov_every`` steps. In the one-pass
+      style pass ``with_stats=kfl.stats_due(state)`` to
+      ``kfl.value_grad_and_stats``'s function so it skips them too.
     estimation: as in ``kfl.kfac`` (``basis="kfac"``: how the statistics
       are estimated).
     num_samples: as in ``kfl.kfac``.
@@ -337,9 +347,12 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
   _check("basis", basis, BASES)
   _check("refresh", refresh, REFRESHES)
   _check("nu_rebase", nu_rebase, NU_REBASES)
-  if not (isinstance(refresh_every, int) and refresh_every >= 1):
-    raise ValueError(f"eigen_adam: refresh_every must be a positive int, got "
-                     f"{refresh_every!r}")
+  for name, value in (("refresh_every", refresh_every),
+                      ("cov_every", cov_every)):
+    if not (isinstance(value, int) and not isinstance(value, bool)
+            and value >= 1):
+      raise ValueError(f"eigen_adam: {name} must be a positive int, got "
+                       f"{value!r}")
   # kfl.kfac's tagging and block choice; "exact" damping gives Kronecker
   # blocks "eigh" caches, where the bases are kept. Its update is not used.
   tagged_for = transform.kfac_with_layers(
@@ -368,7 +381,8 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     plain = lambda: tuple(jnp.zeros((0,), x.dtype) if i in covered
                           else jnp.zeros_like(x) for i, x in enumerate(leaves))
     return EigenAdamState(
-        count=jnp.zeros((), jnp.int32), key=jax.random.PRNGKey(seed),
+        count=jnp.zeros((), jnp.int32), stats_due=jnp.ones((), jnp.int32),
+        key=jax.random.PRNGKey(seed),
         blocks=states, mu_basis={l.name: moment(l) for l in layers},
         nu_basis={l.name: moment(l) for l in layers}, mu=plain(), nu=plain())
 
@@ -394,6 +408,9 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     vectors = {l.name: tuple(leaves[i].reshape(s) for i, s in zip(
         l.leaves, l.block.param_shapes)) for l in layers}
     key, stats_key = jax.random.split(state.key)
+    if axis_name is not None and basis == "kfac" and stats is None:
+      # Independent samples on every device.
+      stats_key = jax.random.fold_in(stats_key, jax.lax.axis_index(axis_name))
 
     if basis == "kfac" and stats is None:
       if jax.tree.structure(batch) != tagged.batch_treedef:
@@ -420,11 +437,14 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
         new = kfac_statistics(blocks)
       return transform.accumulate(layers, blocks, new, cov_decay)
 
+    def fold_due(blocks):
+      """``fold`` on the counts that are multiples of ``cov_every``."""
+      if cov_every == 1:
+        return fold(blocks)
+      return jax.lax.cond(state.count % cov_every == 0, fold,
+                          lambda b: b, blocks)
+
     def kfac_statistics(blocks):
-      nonlocal stats_key
-      if axis_name is not None:
-        stats_key = jax.random.fold_in(stats_key,
-                                       jax.lax.axis_index(axis_name))
       dtype = _dtypes.float_dtype(params)
       all_states = {l.name: (blocks[l.name] if l.name in blocks
                              else l.block.init(dtype)) for l in tagged.layers}
@@ -487,8 +507,8 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
 
     count_inc = optax.safe_increment(state.count)
     if basis == "kfac":  # This step's statistics, then its basis.
-      states, mu_b, nu_b = refresh_due(fold(state.blocks), state.mu_basis,
-                                       state.nu_basis)
+      states, mu_b, nu_b = refresh_due(fold_due(state.blocks),
+                                       state.mu_basis, state.nu_basis)
       out, mu_b, nu_b, mu, nu = adam_step(states, mu_b, nu_b, count_inc)
     else:  # SOAP: the step in the bases of the earlier gradients, then
       # this gradient into the factors; the first step only starts them.
@@ -499,9 +519,11 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       mu_b, nu_b, mu, nu = jax.tree.map(
           lambda new, old: jnp.where(first, old, new), tuple(moments),
           (state.mu_basis, state.nu_basis, state.mu, state.nu))
-      states, mu_b, nu_b = refresh_due(fold(state.blocks), mu_b, nu_b)
+      states, mu_b, nu_b = refresh_due(fold_due(state.blocks), mu_b, nu_b)
     new_state = EigenAdamState(
-        count=count_inc, key=key, blocks=states, mu_basis=mu_b,
+        count=count_inc,
+        stats_due=(count_inc % cov_every == 0).astype(jnp.int32), key=key,
+        blocks=states, mu_basis=mu_b,
         nu_basis=nu_b, mu=tuple(mu), nu=tuple(nu))
     return jax.tree.unflatten(treedef, out), new_state
 

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from kfac_jax_lite import _block_policy
+from kfac_jax_lite import eigen_adam
 from kfac_jax_lite import tagging
 from kfac_jax_lite import transform
 from kfac_jax_lite.estimators import (
@@ -42,21 +43,24 @@ from kfac_jax_lite.estimators import (
 
 
 def stats_due(state: optax.OptState) -> jax.Array:
-  """Whether the next ``kfl.kfac`` update accumulates statistics.
+  """Whether the next ``kfl.kfac`` (or ``kfl.eigen_adam``) update
+  accumulates statistics.
 
   ``state``: an optax state holding one ``kfl.kfac`` state (its own, a
-  chain's, or ``kfl.kfac_optimizer``'s). Returns a scalar boolean from
-  ``KfacState.stats_due``: ``count % cov_every == 0`` for the update to
-  come; pass it as ``est_fn(..., with_stats=kfl.stats_due(state))`` so the
-  statistics are computed only on the steps that use them (module doc).
+  chain's, or ``kfl.kfac_optimizer``'s) or one ``kfl.eigen_adam`` state.
+  Returns a scalar boolean from its ``stats_due``: ``count % cov_every ==
+  0`` for the update to come; pass it as ``est_fn(...,
+  with_stats=kfl.stats_due(state))`` so the statistics are computed only
+  on the steps that use them (module doc).
   """
+  kinds = (transform.KfacState, eigen_adam.EigenAdamState)
   found = [s for s in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, transform.KfacState))
-           if isinstance(s, transform.KfacState)]
+      state, is_leaf=lambda x: isinstance(x, kinds)) if isinstance(s, kinds)]
   if len(found) != 1:
     raise ValueError(
         "kfl.stats_due needs an optax state that holds exactly one kfl.kfac "
-        f"state (KfacState); found {len(found)} in {type(state).__name__}")
+        "or kfl.eigen_adam state (KfacState, EigenAdamState); found "
+        f"{len(found)} in {type(state).__name__}")
   return found[0].stats_due > 0
 
 
