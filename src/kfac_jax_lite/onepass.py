@@ -34,9 +34,10 @@ import numpy as np
 import optax
 
 from kfac_jax_lite import _block_policy
-from kfac_jax_lite import eigen_adam
 from kfac_jax_lite import tagging
 from kfac_jax_lite import transform
+# The module's class (the package's ``eigen_adam`` is the function).
+from kfac_jax_lite.eigen_adam import EigenAdamState
 from kfac_jax_lite.estimators import (
     Estimate, check_estimation, check_example_axis, check_has_loss,
     check_stats_fraction, estimate, stats_batch_size, stats_slice)
@@ -53,7 +54,7 @@ def stats_due(state: optax.OptState) -> jax.Array:
   with_stats=kfl.stats_due(state))`` so the statistics are computed only
   on the steps that use them (module doc).
   """
-  kinds = (transform.KfacState, eigen_adam.EigenAdamState)
+  kinds = (transform.KfacState, EigenAdamState)
   found = [s for s in jax.tree.leaves(
       state, is_leaf=lambda x: isinstance(x, kinds)) if isinstance(s, kinds)]
   if len(found) != 1:
