@@ -306,3 +306,22 @@ def per_example_and_reference(tl, ref_loss, params, batch):
         params, jax.tree.map(lambda x: x[None], ex)))(batch)
     return rebuilt, ref
   return both(params, batch)
+
+
+def count_primitives(jaxpr, names):
+  """How many equations of each primitive in ``names`` ``jaxpr`` holds, the
+  jaxprs inside it (cond branches, scan bodies, pjit calls) included."""
+  counts = dict.fromkeys(names, 0)
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name in counts:
+        counts[eqn.primitive.name] += 1
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          if hasattr(sub, "eqns"):
+            walk(sub)
+          elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+            walk(sub.jaxpr)
+  walk(jaxpr)
+  return counts

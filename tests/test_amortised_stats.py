@@ -24,7 +24,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
-from _helpers import assert_rounding_close, x64_mode
+from _helpers import assert_rounding_close, count_primitives, x64_mode
 
 SIZES = (5, 7, 4)
 N = 12
@@ -57,20 +57,7 @@ def loss_fn(params, batch):
 
 def count_work(jaxpr):
   """The number of WORK equations in ``jaxpr`` and every jaxpr inside it."""
-  counts = dict.fromkeys(WORK, 0)
-
-  def walk(j):
-    for eqn in j.eqns:
-      if eqn.primitive.name in counts:
-        counts[eqn.primitive.name] += 1
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-          if hasattr(sub, "eqns"):
-            walk(sub)
-          elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-            walk(sub.jaxpr)
-  walk(jaxpr)
-  return counts
+  return count_primitives(jaxpr, WORK)
 
 
 def the_cond(jaxpr):

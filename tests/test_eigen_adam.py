@@ -36,7 +36,7 @@ import kfac_jax_lite as kfl
 from kfac_jax_lite import transform
 from kfac_jax_lite import blocks as B
 
-from _helpers import x64_mode
+from _helpers import count_primitives, x64_mode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
@@ -426,25 +426,6 @@ def test_checkpoint_round_trip_resumes_bit_for_bit():
 
 # --- cov_every: the statistics only on its counts ------------------------------
 
-def _walk_counts(jaxpr, names):
-  """How many equations of each primitive in ``names`` ``jaxpr`` holds,
-  the jaxprs inside it included."""
-  counts = dict.fromkeys(names, 0)
-
-  def walk(j):
-    for eqn in j.eqns:
-      if eqn.primitive.name in counts:
-        counts[eqn.primitive.name] += 1
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-          if hasattr(sub, "eqns"):
-            walk(sub)
-          elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-            walk(sub.jaxpr)
-  walk(jaxpr)
-  return counts
-
-
 def _covs(state):
   return [np.asarray(kfl.factor.factor_value(f)) for f in jax.tree.leaves(
       state.blocks, is_leaf=lambda x: isinstance(x, kfl.factor.FactorState))]
@@ -512,15 +493,15 @@ def test_cov_every_skips_the_statistics_pass_in_the_program():
     folds = [e for e in jx.eqns if e.primitive.name == "cond"]
     assert len(folds) == 2  # The statistics' fold, then the refresh.
     skip, take = folds[0].params["branches"]
-    assert not any(_walk_counts(skip.jaxpr, work).values())
-    inside = _walk_counts(take.jaxpr, work)
+    assert not any(count_primitives(skip.jaxpr, work).values())
+    inside = count_primitives(take.jaxpr, work)
     assert inside["random_bits"] > 0 and inside["dot_general"] > 0
     jx1 = jax.make_jaxpr(lambda g, s, p: every.update(g, s, p, batch=batch))(
         grads, every.init(params), params).jaxpr
     assert [e.primitive.name for e in jx1.eqns].count("cond") == 1
     # The cond's taken branch holds what cov_every=1 computes outside.
-    outside = _walk_counts(jx, work)
-    assert outside["random_bits"] == _walk_counts(jx1, work)["random_bits"]
+    outside = count_primitives(jx, work)
+    assert outside["random_bits"] == count_primitives(jx1, work)["random_bits"]
 
     batches = [dense_problem(seed=s, n=8)[1] for s in range(5)]
     est_fn = kfl.value_grad_and_stats(dense_loss, params, batch)
