@@ -17,8 +17,13 @@ bases are known in advance:
 * a stacked layer gives the updates of its slices unrolled (both bases);
 * ``basis="shampoo"`` against the same reference fed SOAP's factors
   (EMAs of ``M Mᵀ``, ``Mᵀ M`` of the gradients);
+* ``cov_every=k`` folds statistics only at the counts that are multiples
+  of ``k`` (the factors then are those of a ``cov_every=1`` run fed only
+  those statistics), its skipped steps compute none (on the program), and
+  the one-pass style with ``kfl.stats_due`` follows the ``batch=`` style;
 * under ``pmap`` on 8 devices (a subprocess, as ``test_distributed``) it
-  equals one device; its state round-trips through ``flax.serialization``.
+  equals one device, also with ``cov_every=2``; its state round-trips
+  through ``flax.serialization``.
 """
 import json
 import os
@@ -551,10 +556,13 @@ def _pmap_worker():
   params, _ = dense_problem()
   batch = {"x": rng.standard_normal((32, 2)), "t": rng.standard_normal((32, 3))}
   out = {}
-  for basis in ("kfac", "shampoo"):
+  for basis, cov_every in (("kfac", 1), ("shampoo", 1), ("kfac", 2),
+                           ("shampoo", 2)):
     # eps=1e-4: Shampoo's first basis is the gradient's SVD, whose rounding
     # noise off the diagonal Adam divides by eps (see the Shampoo test).
-    opts = dict(basis=basis, estimation="exact", refresh_every=2, eps=1e-4)
+    # cov_every=2: the statistics' collectives inside the fold's lax.cond.
+    opts = dict(basis=basis, estimation="exact", refresh_every=2, eps=1e-4,
+                cov_every=cov_every)
     lr = optax.scale_by_learning_rate(LR)
     tx = optax.chain(kfl.eigen_adam(dense_loss, batch, **opts), lr)
     _, _, one, _ = steps_of(dense_loss, params, batch, tx, None, steps)
@@ -571,7 +579,7 @@ def _pmap_worker():
     p, s = jax.tree.map(rep, params), jax.tree.map(rep, txp.init(params))
     for _ in range(steps):
       p, s = pstep(p, s, shard)
-    out[basis] = {"one": {k: np.asarray(v).tolist() for k, v in one.items()},
+    out[f"{basis} cov_every={cov_every}"] = {"one": {k: np.asarray(v).tolist() for k, v in one.items()},
                   "pmap": {k: np.asarray(v).tolist() for k, v in p.items()}}
   print("RESULT " + json.dumps(out), flush=True)
 
