@@ -217,10 +217,11 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     cov_every: the statistics are formed and folded into the factors only
       at the counts that are multiples of it (both bases; at the others
       ``stats=`` is ignored and ``batch=`` only checked): with ``"kfac"``
-      the sampled backward pass, the largest piece of the step after the
-      rotations, is then paid once in ``cov_every`` steps. In the one-pass
-      style pass ``with_stats=kfl.stats_due(state)`` to
-      ``kfl.value_grad_and_stats``'s function so it skips them too.
+      the sampled backward pass and the factors' products (on the MNIST
+      autoencoder together more than the rotations) are then paid once in
+      ``cov_every`` updates. In the one-pass style pass
+      ``with_stats=kfl.stats_due(state)`` to ``kfl.value_grad_and_stats``'s
+      function so that it skips them too.
     estimation: as in ``kfl.kfac`` (``basis="kfac"``: how the statistics
       are estimated).
     num_samples: as in ``kfl.kfac``.
