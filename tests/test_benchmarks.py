@@ -336,6 +336,18 @@ def test_estimator_scale_prints_the_convention():
                                                             r, se)
 
 
+def test_eigen_adam_step_quick(capsys):
+  es = importlib.import_module("eigen_adam_step")
+  rows = es.main(["--quick"])
+  assert [r["name"] for r in rows][:2] == ["Adam", "eigen_adam, 1-pass"]
+  assert len(rows) == 7 and all(r["median_ms"] > 0 for r in rows)
+  assert "FLOPs over Adam's step: rotations" in capsys.readouterr().out
+  # The floor's arithmetic: one square a x a layer at batch N rotates
+  # 4a^2(2a) = 8a^3 against Adam's 6Na^2, i.e. 4a/(3N).
+  rotate, _, _ = es.rotation_floor((9, 10), 30)
+  assert math.isclose(rotate, 4 * 10 / (3 * 30))
+
+
 def test_estimation_steps_quick():
   """The equal-steps table runs; ``"empirical_shared"`` trains exactly as
   ``"empirical"`` (the same statistics, a mean loss)."""
