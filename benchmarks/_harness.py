@@ -63,6 +63,13 @@ class Candidate(NamedTuple):
 
 # ------------------------------------------------------------- steppers
 
+def cov_style(style, cov_every):
+  """The step style of a one-pass candidate with ``cov_every``: ``"cov"``
+  (``with_stats=kfl.stats_due(state)``, so the statistics are computed only
+  where the transform folds them) when ``cov_every > 1``, else ``style``."""
+  return "cov" if style == "1-pass" and cov_every > 1 else style
+
+
 def optax_candidate(family, settings, style, make_tx, loss_fn, params,
                     example_batch, seed=0, est_options=None):
   """A :class:`Candidate` training ``make_tx()`` with ``_timing.Stepper``
@@ -117,8 +124,7 @@ def amortised_family(loss_fn, params, example, lr, style, seed, configs=None,
   def make(settings):
     options = AMORTISED[settings["config"]]
     est = {k: v for k, v in options.items() if k in _EST_KEYS}
-    step_style = ("cov" if style == "1-pass" and options.get("cov_every", 1) > 1
-                  else style)
+    step_style = cov_style(style, options.get("cov_every", 1))
 
     def make_tx():
       parts = [kfl.kfac(loss_fn, example, **options)]
@@ -135,17 +141,14 @@ def amortised_family(loss_fn, params, example, lr, style, seed, configs=None,
 
 def optax_families(loss_fn, params, example_batch, seed=0):
   """A script's ``optax_family(fid, name, grid, make_tx, style="grad",
-  note="", cov_style=False)``: the :class:`Family` whose candidate at
-  ``settings`` trains ``make_tx(**settings)`` on ``loss_fn`` from
-  ``params`` in ``style`` (in ``"cov"`` where ``cov_style`` and the
-  settings' ``cov_every > 1``)."""
-  def optax_family(fid, name, grid, make_tx, style="grad", note="",
-                   cov_style=False):
+  note="")``: the :class:`Family` whose candidate at ``settings`` trains
+  ``make_tx(**settings)`` on ``loss_fn`` from ``params`` in ``style``
+  (:func:`cov_style` of it and the settings' ``cov_every``)."""
+  def optax_family(fid, name, grid, make_tx, style="grad", note=""):
     def candidate(s):
-      # cov_style: a point with cov_every > 1 steps in the "cov" style.
-      step_style = "cov" if cov_style and s.get("cov_every", 1) > 1 else style
-      return optax_candidate(name, s, step_style, lambda: make_tx(**s),
-                             loss_fn, params, example_batch, seed)
+      return optax_candidate(name, s, cov_style(style, s.get("cov_every", 1)),
+                             lambda: make_tx(**s), loss_fn, params,
+                             example_batch, seed)
     return Family(fid, name, grid, candidate, note)
   return optax_family
 
@@ -189,10 +192,9 @@ def grid(**values) -> list[dict]:
 def eigen_adam_families(optax_family, loss_fn, example, lrs, style,
                         weight_decay=None):
   """Issue 26's two families for a benchmark: ``kfl.eigen_adam`` in K-FAC's
-  basis (``style``: the script's K-FAC step style; with ``cov_every > 1``
-  the ``"cov"`` style, so the one-pass statistics are skipped where the
-  transform does not fold them) and in Shampoo's (SOAP), each chained with
-  ``scale_by_learning_rate(lr)`` over ``lrs`` (and
+  basis (``style``: the script's K-FAC step style, ``"cov"`` at a
+  ``cov_every > 1``: :func:`cov_style`) and in Shampoo's (SOAP), each
+  chained with ``scale_by_learning_rate(lr)`` over ``lrs`` (and
   ``add_decayed_weights(weight_decay)`` before it, as AdamW, if given).
   Both grids also hold ``cov_every`` and ``refresh_every`` (the defaults,
   1 and 10; ``--set eigen_adam.cov_every=5`` moves them).
@@ -215,8 +217,7 @@ def eigen_adam_families(optax_family, loss_fn, example, lrs, style,
       optax_family("eigen_adam", "EigenAdam K-FAC",
                    {"lr": list(lrs), **amortised}, make(),
                    style=style, note="kfl.eigen_adam(loss_fn, batch) "
-                   "(eigh every refresh_every steps)" + wd,
-                   cov_style=style == "1-pass"),
+                   "(eigh every refresh_every steps)" + wd),
       optax_family("soap", "EigenAdam SOAP", {"lr": list(lrs), **amortised},
                    make(basis="shampoo"),
                    note="kfl.eigen_adam(..., basis='shampoo')" + wd)]
