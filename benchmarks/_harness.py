@@ -38,12 +38,8 @@ import jax
 import numpy as np
 import optax
 
-try:
-  import kfac_jax_lite as kfl
-except ImportError:  # Not installed: run from a checkout (src layout).
-  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                  os.pardir, "src"))
-  import kfac_jax_lite as kfl
+import _timing
+from _kfl import kfl
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -76,8 +72,6 @@ def optax_candidate(family, settings, style, make_tx, loss_fn, params,
   (``style``: ``"grad"``, ``"batch="``, ``"1-pass"`` or ``"cov"``, see
   ``_timing.make_step``; ``est_options``: the ``kfl.value_grad_and_stats``
   options of the one-pass styles, which must match the transform's)."""
-  import _timing  # It imports this module (for kfl): not at the top.
-
   def build():
     est_fn = None
     if style not in ("grad", "batch="):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from _harness import kfl
+from _kfl import kfl
 
 STYLES = ("grad", "batch=", "1-pass", "1-pass+batch=", "cov")
 

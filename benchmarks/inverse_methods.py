@@ -38,7 +38,7 @@ try:
 except ImportError:  # Not installed: run from a checkout (src layout).
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                   os.pardir, "src"))
-from kfac_jax_lite import _inverse  # The algorithms themselves.
+from kfac_jax_lite.factor import _inverse  # The algorithms themselves.
 
 AUTOENCODER_FACTORS = (785, 1001, 501, 251, 31, 251, 501, 1001,
                        1000, 500, 250, 30, 250, 500, 1000, 784)

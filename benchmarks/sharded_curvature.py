@@ -176,7 +176,7 @@ def make_model(name, seed=0):
 
 def kfac_state(opt_state):
   """The ``KfacState`` inside an optax state."""
-  is_kfac = lambda x: isinstance(x, kfl.transform.KfacState)
+  is_kfac = lambda x: isinstance(x, kfl.KfacState)
   found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_kfac)
            if is_kfac(x)]
   if len(found) != 1:

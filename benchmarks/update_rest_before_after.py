@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _models as M  # noqa: E402
 import _timing as T  # noqa: E402
 from _harness import kfl  # noqa: E402
-from kfac_jax_lite import _kron  # noqa: E402
+from kfac_jax_lite.blocks import _kron  # noqa: E402
 from kfac_jax_lite import factor as fac  # noqa: E402
-from kfac_jax_lite import transform  # noqa: E402
+from kfac_jax_lite.optimizers import transform  # noqa: E402
 
 loss_fn = M.autoencoder_loss  # The autoencoder's loss, as step_time.py's.
 

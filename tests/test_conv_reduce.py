@@ -19,7 +19,7 @@ import pytest
 from jax import lax
 
 import kfac_jax_lite as kfl
-from kfac_jax_lite import transform
+from kfac_jax_lite.optimizers import transform
 from kfac_jax_lite import blocks as B
 
 from _helpers import assert_rounding_close, x64_mode

@@ -38,7 +38,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
-from kfac_jax_lite import transform
+from kfac_jax_lite.optimizers import transform
 from kfac_jax_lite import blocks as B
 
 from _helpers import count_primitives, x64_mode

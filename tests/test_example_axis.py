@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
-from kfac_jax_lite import transform
+from kfac_jax_lite.optimizers import transform
 from _helpers import x64_mode
 
 V, D, H = 5, 3, 4

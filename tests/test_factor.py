@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kfac_jax_lite as kfl
-from kfac_jax_lite import _inverse
+from kfac_jax_lite.factor import _inverse
 from kfac_jax_lite import factor as fac
 
 from _helpers import (assert_power_close, assert_rounding_close, rounding_tol,

@@ -12,7 +12,7 @@ import pytest
 
 from _helpers import x64_mode
 from kfac_jax_lite import factor as fac
-from kfac_jax_lite import transform
+from kfac_jax_lite.optimizers import transform
 
 SHAPES = ((3, 4), (4,), (2, 2, 2), (130, 130))  # The last one unpacked.
 

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
-health_mod = importlib.import_module("kfac_jax_lite.health")
+health_mod = importlib.import_module("kfac_jax_lite.optimizers.health")
 
 STEPS = 120  # > STALL_MIN_LOSSES
 

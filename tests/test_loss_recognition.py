@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
-from kfac_jax_lite.distributions import Normal
+from kfac_jax_lite.losses.distributions import Normal
 
 from _helpers import rand, x64_mode
 

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
-from kfac_jax_lite import distributions as dists
+from kfac_jax_lite.losses import distributions as dists
 from kfac_jax_lite.tagging._tagged import find_loss_tags
 
 KEY = jax.random.PRNGKey(0)

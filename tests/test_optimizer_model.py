@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kfac_jax_lite import optimizer
+from kfac_jax_lite.optimizers import optimizer
 
 from _helpers import x64_mode
 

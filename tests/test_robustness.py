@@ -175,7 +175,7 @@ def test_a_block_with_one_factor_decomposed_is_unready():
 
   half = unready(state, "dense0/w", ["g"])
   assert int(half.blocks["dense0/w"].a.cache.step) == 0
-  assert not bool(kfl.transform.is_ready(half.blocks["dense0/w"]))
+  assert not bool(kfl.optimizers.transform.is_ready(half.blocks["dense0/w"]))
   health = kfl.health(half)
   assert health.unready_blocks == 1 and not health.ok
   assert "unready blocks 1" in str(health)
@@ -263,7 +263,7 @@ def test_health_reports_a_run_that_blows_up_its_parameters():
   parameters' norm at the first and the latest update; growth beyond
   ``PARAM_GROWTH_LIMIT`` is not ok."""
   import importlib
-  limit = importlib.import_module("kfac_jax_lite.health").PARAM_GROWTH_LIMIT
+  limit = importlib.import_module("kfac_jax_lite.optimizers.health").PARAM_GROWTH_LIMIT
   init, (_, state) = _run_sgd(0.01, 60)
   health = kfl.health(state)
   norm = lambda t: float(np.sqrt(sum(np.sum(np.square(x))

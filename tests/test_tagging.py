@@ -8,7 +8,8 @@ import pytest
 
 import _tagging_models as M
 from _helpers import assert_paths_rounding_close, assert_rounding_close
-from kfac_jax_lite.tagging import describe, find_layers
+from kfac_jax_lite.estimators import describe
+from kfac_jax_lite.tagging import find_layers
 
 D, C, E, S = "dense", "conv", "embedding", "scale_and_shift"
 KD, KC, KE, SS = "KroneckerDense", "KroneckerConv", "KroneckerEmbedding", "ScaleAndShift"

@@ -6,7 +6,8 @@ import pytest
 from jax import lax
 
 from kfac_jax_lite import blocks as B
-from kfac_jax_lite.tagging import describe, find_layers
+from kfac_jax_lite.estimators import describe
+from kfac_jax_lite.tagging import find_layers
 
 P = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
 X = jnp.ones((4, 3))

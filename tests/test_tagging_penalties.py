@@ -16,7 +16,8 @@ import pytest
 import kfac_jax_lite as kfl
 import _helpers
 from _helpers import x64_mode
-from kfac_jax_lite.tagging import describe, find_layers
+from kfac_jax_lite.estimators import describe
+from kfac_jax_lite.tagging import find_layers
 
 # name -> (penalty of one leaf, its Hessian γ in P = (γ/2)·‖w‖², None if
 # not quadratic). The loss adds C·P(w) + C·P(b).

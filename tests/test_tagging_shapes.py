@@ -19,7 +19,8 @@ from jax import lax
 import kfac_jax_lite as kfl
 import _helpers
 from _helpers import assert_paths_rounding_close, x64_mode
-from kfac_jax_lite.tagging import describe, find_layers, path_name
+from kfac_jax_lite.estimators import describe
+from kfac_jax_lite.tagging import find_layers, path_name
 
 N, T, D, V, H = 3, 4, 5, 7, 6
 

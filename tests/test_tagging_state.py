@@ -15,7 +15,8 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
-from kfac_jax_lite.tagging import describe, find_layers, path_name
+from kfac_jax_lite.estimators import describe
+from kfac_jax_lite.tagging import find_layers, path_name
 
 N, D, C = 8, 5, 6
 

@@ -18,7 +18,8 @@ from jax import lax
 import kfac_jax_lite as kfl
 import _helpers
 from _helpers import x64_mode
-from kfac_jax_lite.tagging import describe, find_layers
+from kfac_jax_lite.estimators import describe
+from kfac_jax_lite.tagging import find_layers
 
 N, T, D, HEADS, E = 3, 4, 6, 2, 3
 

@@ -204,7 +204,7 @@ REFRESHES = {
 @pytest.mark.parametrize("inverse_every", sorted(REFRESHES))
 def test_refresh_schedule_is_every_period_and_early_powers_of_two(
     inverse_every):
-  due = np.asarray(kfl.transform.is_refresh_step(jnp.arange(41),
+  due = np.asarray(kfl.optimizers.transform.is_refresh_step(jnp.arange(41),
                                                  inverse_every))
   assert set(np.flatnonzero(due)) == REFRESHES[inverse_every]
   if inverse_every != 10:

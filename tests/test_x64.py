@@ -17,7 +17,7 @@ from jax.flatten_util import ravel_pytree
 
 import kfac_jax_lite as kfl
 from _helpers import x64_mode
-from kfac_jax_lite import distributions as dists
+from kfac_jax_lite.losses import distributions as dists
 
 SIZES = (4, 5, 3)
 N = 6

@@ -1,26 +1,23 @@
 """kfac_jax_lite: Kronecker-factored curvature for JAX, as pure functions.
 
-The modules, each built on the ones before it (README.md gives the user's
-view, ``docs/design.md`` the design brief: conventions and cost model):
+The layers, each a folder that imports only the ones listed before it
+(``tests/test_imports.py`` pins this; README.md gives the user's view,
+``docs/design.md`` the design brief: conventions and cost model):
 
-* ``factor.py`` — the math core: ``FactorState`` and the pure functions on
+* ``factor/`` — the math core: ``FactorState`` and the pure functions on
   it (EMA covariances, damped powers, cached decompositions);
 * ``blocks/`` — one curvature block per layer kind (Kronecker dense, conv,
-  embedding; diagonal, full, ...), each owning its statistics;
-* ``tagging/`` — finds the layers in a traced loss and rewrites it to
-  expose their inputs and output cotangents;
-* ``estimators.py`` — the loss, gradient and statistics from one forward
-  pass; ``onepass.py`` — ``value_grad_and_stats`` and ``stats_due``, that
-  estimate for ``kfac``'s ``update(..., stats=)``, computed only on the
-  steps that use it;
-* ``transform.py`` — ``kfac``, the preconditioner as an optax transform,
-  and its named stages; ``optimizer.py`` — ``kfac_optimizer``, Martens &
-  Grosse's optimizer with adaptive damping; ``eigen_adam.py`` —
-  ``eigen_adam``, Adam in the factors' eigenbasis (SOAP-like);
-* ``sharding.py`` — the sharded layout of ``kfac``'s state (each block
-  kept by one device) and its checkpoint conversions;
-* ``laplace/`` — Laplace posteriors from the same curvature; ``health.py``
-  — the health counters of a state.
+  embedding; diagonal, full, EKFAC, series, ...), each owning its statistics;
+  ``losses/`` — the registered losses and their predictive distributions;
+* ``tagging/`` — finds the layers (and the loss) in a traced loss and
+  rewrites it to expose their inputs and output cotangents; the block policy;
+* ``estimators/`` — the loss, gradient and statistics from one forward pass
+  (``value_grad_and_stats``), the argument checks, ``describe``;
+* ``optimizers/`` — ``kfac`` (the preconditioner as an optax transform, its
+  stages and safeguards), ``kfac_optimizer`` (Martens & Grosse's adaptive
+  damping), ``eigen_adam`` (Adam in the factors' eigenbasis), ``stats_due``,
+  the sharded layout (``kfl.sharding``, re-exported by ``sharding.py``) and
+  ``health``; ``laplace/`` — Laplace posteriors from the same curvature.
 
 The top level holds the user API only (``__all__``, pinned by a test). The
 rest lives in the module that owns it: the factor functions in
@@ -34,25 +31,30 @@ from kfac_jax_lite import estimators as estimators
 from kfac_jax_lite import factor as factor
 from kfac_jax_lite import laplace as laplace
 from kfac_jax_lite import losses as losses
-from kfac_jax_lite import sharding as sharding
 from kfac_jax_lite import tagging as tagging
+from kfac_jax_lite import sharding as sharding
 
 # The user API.
-from kfac_jax_lite.transform import KfacState as KfacState
-from kfac_jax_lite.transform import kfac as kfac
-from kfac_jax_lite.eigen_adam import EigenAdamState as EigenAdamState
-from kfac_jax_lite.eigen_adam import eigen_adam as eigen_adam
-from kfac_jax_lite.optimizer import KfacOptimizerState as KfacOptimizerState
-from kfac_jax_lite.optimizer import kfac_optimizer as kfac_optimizer
+from kfac_jax_lite.optimizers.transform import KfacState as KfacState
+from kfac_jax_lite.optimizers.transform import kfac as kfac
+from kfac_jax_lite.optimizers.options import (
+    CurvatureOptions as CurvatureOptions)
+from kfac_jax_lite.optimizers.options import (
+    PreconditionerOptions as PreconditionerOptions)
+from kfac_jax_lite.optimizers.eigen_adam import EigenAdamState as EigenAdamState
+from kfac_jax_lite.optimizers.eigen_adam import eigen_adam as eigen_adam
+from kfac_jax_lite.optimizers.optimizer import (
+    KfacOptimizerState as KfacOptimizerState)
+from kfac_jax_lite.optimizers.optimizer import kfac_optimizer as kfac_optimizer
 from kfac_jax_lite.estimators import ESTIMATIONS as ESTIMATIONS
 from kfac_jax_lite.estimators import Estimate as Estimate
-from kfac_jax_lite.onepass import stats_due as stats_due
-from kfac_jax_lite.onepass import (
+from kfac_jax_lite.optimizers.onepass import stats_due as stats_due
+from kfac_jax_lite.estimators import (
     value_grad_and_stats as value_grad_and_stats)
-from kfac_jax_lite.tagging import describe as describe
-from kfac_jax_lite.health import Health as Health
-from kfac_jax_lite.health import health as health
-from kfac_jax_lite.distributions import (
+from kfac_jax_lite.estimators import describe as describe
+from kfac_jax_lite.optimizers.health import Health as Health
+from kfac_jax_lite.optimizers.health import health as health
+from kfac_jax_lite.losses.distributions import (
     PredictiveDistribution as PredictiveDistribution)
 from kfac_jax_lite.losses import gaussian_nll as gaussian_nll
 from kfac_jax_lite.losses import l2_loss as l2_loss
@@ -77,6 +79,8 @@ __all__ = [
     # optax transforms and their states
     "kfac", "KfacState", "kfac_optimizer", "KfacOptimizerState",
     "eigen_adam", "EigenAdamState",
+    # the options they share, documented once
+    "CurvatureOptions", "PreconditionerOptions",
     # one pass: loss, gradient and curvature statistics
     "value_grad_and_stats", "stats_due", "Estimate", "ESTIMATIONS",
     # inspection

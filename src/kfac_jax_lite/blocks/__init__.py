@@ -1,9 +1,12 @@
 """Curvature blocks: one per layer kind, each a static config plus pure functions.
 
+Layer 1. Owns the block types, their statistics and the Kronecker-factored
+products they share (``_kron``). May import: ``factor``.
+
 See ``kfac_jax_lite.blocks.base`` for the interface they share (``Block``)
 and the data their statistics consume (``LayerData``).
 """
-from kfac_jax_lite._kron import KroneckerState
+from kfac_jax_lite.blocks._kron import KroneckerState
 from kfac_jax_lite.blocks.base import as_block  # noqa: F401 (not in __all__)
 from kfac_jax_lite.blocks.base import (
     ACTIVATIONS, GRADIENTS, Block, FlatBlock, KroneckerBlock, LayerData,

@@ -55,8 +55,8 @@ from typing import Any, Callable, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kfac_jax_lite import _dtypes
-from kfac_jax_lite import _kron
+from kfac_jax_lite.factor import float_dtype
+from kfac_jax_lite.blocks import _kron
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
 
@@ -125,7 +125,7 @@ def gram(x, y):
 
 def stats_dtype(*arrays):
   """Statistics are at least float32 (bf16/fp16 activations included)."""
-  return _dtypes.float_dtype(arrays)
+  return float_dtype(arrays)
 
 
 def split_samples(cotangents, expected_ndim, where):
@@ -358,7 +358,7 @@ class KroneckerBlock(Block):
   def _apply(self, v, fn):
     dtypes = [jnp.asarray(x).dtype for x in v]
     m = self._mat(v)
-    return self._out(fn(m.astype(_dtypes.float_dtype(m))), dtypes)
+    return self._out(fn(m.astype(float_dtype(m))), dtypes)
 
   def multiply(self, state, v):
     return self._apply(v, lambda m: _kron.multiply(state, m, self.renorm_coeff))
@@ -424,7 +424,7 @@ class FlatBlock(Block):
     _layout.check_params(self, v, self.param_shapes)
     dtypes = [jnp.asarray(x).dtype for x in v]
     flat = _layout.flatten(v)
-    out = fn(flat.astype(_dtypes.float_dtype(flat)))
+    out = fn(flat.astype(float_dtype(flat)))
     return tuple(x.astype(d) for x, d in zip(
         _layout.unflatten(out, self.param_shapes), dtypes))
 

@@ -75,8 +75,8 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import block_diag
 
-from kfac_jax_lite import _kron
-from kfac_jax_lite import _dtypes
+from kfac_jax_lite.blocks import _kron
+from kfac_jax_lite.factor import float_dtype
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
 from kfac_jax_lite.blocks import base
@@ -235,7 +235,7 @@ class EigenCorrected(base.Block):
     _layout.check_params(self, v, self.param_shapes)
     dtypes = [jnp.asarray(x).dtype for x in v]
     m = self.layout.to_mat(tuple(v))
-    dtype = _dtypes.float_dtype(m)
+    dtype = float_dtype(m)
     qa = state.a.cache.eigvecs.astype(dtype)
     qg = state.g.cache.eigvecs.astype(dtype)
     s = state.scale.cache.eigvals.astype(dtype)

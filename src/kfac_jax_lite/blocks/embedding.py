@@ -21,7 +21,7 @@ import math
 
 import jax.numpy as jnp
 
-from kfac_jax_lite import _kron
+from kfac_jax_lite.blocks import _kron
 from kfac_jax_lite.blocks import _layout
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import dense

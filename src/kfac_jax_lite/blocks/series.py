@@ -79,8 +79,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax_lite import _dtypes
-from kfac_jax_lite import _kron
+from kfac_jax_lite.factor import float_dtype
+from kfac_jax_lite.blocks import _kron
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
 from kfac_jax_lite.blocks import base
@@ -315,7 +315,7 @@ class SeriesDense(base.Block):
       state = self.refresh(state, damping)
     dtypes = [jnp.asarray(x).dtype for x in v]
     m = self.layout.to_mat(tuple(v))
-    dtype = _dtypes.float_dtype(m)
+    dtype = float_dtype(m)
     c = jax.tree.map(lambda x: x.astype(dtype),
                      (state.a0.cache, state.a1.cache, state.g0.cache,
                       state.g1.cache))

@@ -1,6 +1,10 @@
 """The curvature as a Laplace posterior (MacKay 1992; Ritter et al. 2018;
 Daxberger et al. 2021, laplace-torch's conventions).
 
+Layer 4, beside the optimizers. Owns the posterior (``_posterior``), its
+fit (``_fit``), linear algebra, evidence and predictive. May import:
+``factor``, ``blocks``, ``losses``, ``tagging``, ``estimators``.
+
 Around the MAP ``θ*`` of ``Σ_n ℓ_n(θ)`` (the data's negative
 log-likelihood) with a prior ``N(0, diag(τ)⁻¹)``, the posterior is
 approximated by ``N(θ*, P⁻¹)`` with the precision

@@ -8,11 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax_lite import _dtypes
+from kfac_jax_lite.factor import float_dtype
 from kfac_jax_lite import blocks as kfl_blocks
 from kfac_jax_lite import estimators
 from kfac_jax_lite import factor
-from kfac_jax_lite import onepass
 from kfac_jax_lite import tagging
 from kfac_jax_lite.laplace import _columns
 from kfac_jax_lite.laplace import _posterior as P
@@ -111,7 +110,7 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
     tagged = tagging.find_layers(loss_fn, params, first, has_aux=has_aux)
     estimate = None
   else:
-    estimate = onepass.value_grad_and_stats(
+    estimate = estimators.value_grad_and_stats(
         loss_fn, params, first, estimation=estimation,
         num_samples=num_samples, has_aux=has_aux,
         blocks={**BLOCKWISE[structure], **(blocks or {})},
@@ -180,7 +179,7 @@ def _batch_step(tagged, estimate, meta, estimation, num_samples):
     _, n = _columns.batch_axes(batch)
     out = tagged.loss_fn(params, batch)
     loss = out[0] if tagged.has_aux else out
-    return loss, [], jnp.full((n,), 1.0 / n, _dtypes.float_dtype(loss))
+    return loss, [], jnp.full((n,), 1.0 / n, float_dtype(loss))
 
   def columns(params, batch, key, leaves, c_elems, cbar):
     cols = _columns.example_columns(

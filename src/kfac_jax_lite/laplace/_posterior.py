@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax_lite import _dtypes
+from kfac_jax_lite.factor import float_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,4 +175,4 @@ def leaf_dtypes(post: Posterior):
 
 def compute_dtype(post: Posterior):
   """The dtype of the posterior's arithmetic: its mean's, at least float32."""
-  return _dtypes.float_dtype(leaf_dtypes(post))
+  return float_dtype(leaf_dtypes(post))

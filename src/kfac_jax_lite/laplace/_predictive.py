@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kfac_jax_lite import distributions as dists
+from kfac_jax_lite.losses import distributions as dists
 from kfac_jax_lite.laplace import _columns
 from kfac_jax_lite.laplace import _linalg
 from kfac_jax_lite.laplace import _posterior as P

@@ -1,5 +1,9 @@
 """Tagging: find the layers of a traced loss, and rewrite it to expose them.
 
+Layer 2. Owns the jaxpr analysis, the layer kinds (``_kinds``), the loss
+recognition and the block policy (``_block_policy``: the block of every
+detected layer). May import: ``factor``, ``blocks``, ``losses``.
+
 Algorithm
 ---------
 1. ``jax.make_jaxpr(loss_fn)(params, batch)``; every parameter leaf is a
@@ -148,12 +152,17 @@ Unsupported (fallback with the reason)
 A custom_jvp/custom_vjp function that contains a layer is replaced by
 autodiff of its primal implementation in the rewritten loss.
 """
-from kfac_jax_lite.tagging._describe import Row, Table, describe
+from kfac_jax_lite.tagging import _block_policy
 from kfac_jax_lite.tagging._layers import Layer
 from kfac_jax_lite.tagging._loss_tags import LossTag, find_loss_tags
 from kfac_jax_lite.tagging._tagged import (
     TaggedLoss, batch_size, find_layers, path_name)
 from kfac_jax_lite.tagging._vma import tree_vma as varying_axes
+# For the layers above (estimation, the optimizers); not in ``__all__``.
+from kfac_jax_lite.tagging._examples import (
+    resolve as resolve_example_axis)
+from kfac_jax_lite.tagging._losses import output_layers as output_layers
+from kfac_jax_lite.tagging._vma import abstract as abstract_value
 
 
 
@@ -161,8 +170,7 @@ def make_blocks(layers, overrides=None, *, damping_mode="pi",
                 weight_sharing="expand"):
   """The curvature block of each of ``layers`` (a tuple in their order).
 
-  The block policy (``kfac_jax_lite._block_policy``, above tagging and
-  blocks, loaded on first use) chooses them; ``TaggedLoss.with_blocks``
+  The block policy (``_block_policy``) chooses them; ``TaggedLoss.with_blocks``
   gives a detection with them. ``overrides``: the ``blocks=`` mapping of
   ``kfl.kfac`` (a parameter path, ``fnmatch`` pattern or layer kind to
   ``"kronecker"``, ``"diagonal"``, ``"full"``, ``"naive_diagonal"``,
@@ -172,12 +180,10 @@ def make_blocks(layers, overrides=None, *, damping_mode="pi",
   ``weight_sharing`` (``"expand"`` or ``"reduce"``) configure the default
   Kronecker blocks.
   """
-  from kfac_jax_lite import _block_policy
   return _block_policy.make_blocks(layers, overrides,
                                    damping_mode=damping_mode,
                                    weight_sharing=weight_sharing)
 
 
-__all__ = ["Layer", "LossTag", "Row", "Table", "TaggedLoss", "batch_size",
-           "describe", "find_layers", "find_loss_tags", "make_blocks",
+__all__ = ["Layer", "LossTag", "TaggedLoss", "batch_size", "find_layers", "find_loss_tags", "make_blocks",
            "path_name", "varying_axes"]

@@ -106,6 +106,13 @@ class Analysis(_penalties.PenaltyWalk, _matching.ViewMatching,
   # ------------------------------------------------------------------ walk
   def walk(self, jaxpr, in_views, prefix=(), levels=(), where="",
            in_while=False, parent=None):
+    """One pass over ``jaxpr``'s equations, each dispatched on its primitive
+    (a layer use, a view of a parameter, a nested jaxpr to descend into, or
+    an equation the parameters' views do not reach), ``in_views`` the views
+    of its inputs. Over 60 lines for a reason: the loop's state (the views
+    by variable, each variable's consumers, the uses still pending) is
+    shared by every branch, and one reading of the loop is the clearest
+    statement of the order in which they are matched."""
     env = {}
     for v, view in zip(jaxpr.invars, in_views):
       if view is not None:

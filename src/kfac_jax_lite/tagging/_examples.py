@@ -38,6 +38,8 @@ import warnings
 import jax
 import numpy as np
 
+from kfac_jax_lite.tagging._paths import path_name
+
 
 @dataclasses.dataclass(frozen=True)
 class ExampleAxis:
@@ -86,7 +88,6 @@ class ExampleAxis:
 
 
 def _name(path):
-  from kfac_jax_lite.tagging._tagged import path_name
   return "batch" + ("/" + path_name(path) if path else "")
 
 

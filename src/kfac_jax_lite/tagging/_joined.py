@@ -102,6 +102,11 @@ class JoinedMatching:
   _single_consumer: Callable[..., Any]
 
   def _dense_joined(self, i, eqn, k, jv, ctx):
+    """The dense uses of a kernel joined from pieces (``jv``, a concatenated
+    view) by ``dot_general`` ``eqn``, or the reason (a string) it is not a
+    dense layer of each piece. Over 60 lines for a reason: each early return
+    is one case the match refuses, and they read in order as its
+    specification."""
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     kc, xc = (tuple(lc), tuple(rc)) if k == 0 else (tuple(rc), tuple(lc))
     if lb or rb:

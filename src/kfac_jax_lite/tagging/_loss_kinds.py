@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax_lite import distributions as dists
+from kfac_jax_lite.losses import distributions as dists
 from kfac_jax_lite.tagging import _loss_graph
 
 _SQUARES = {"integer_pow", "square", "mul", "pow"}

@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 from jax._src import core as jcore
 
-from kfac_jax_lite import distributions as dists
+from kfac_jax_lite.losses import distributions as dists
 from kfac_jax_lite import losses
 from kfac_jax_lite.tagging import _analysis
 from kfac_jax_lite.tagging import _loss_graph

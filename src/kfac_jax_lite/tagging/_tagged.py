@@ -10,6 +10,7 @@ import numpy as np
 
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite.tagging import _analysis
+from kfac_jax_lite.tagging import _block_policy
 from kfac_jax_lite.tagging import _examples
 from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _interpret
@@ -18,25 +19,13 @@ from kfac_jax_lite.tagging import _loss_heads
 from kfac_jax_lite.tagging import _rows
 from kfac_jax_lite.tagging import _losses
 from kfac_jax_lite.tagging import _vma
+from kfac_jax_lite.tagging._paths import path_name as path_name
 from kfac_jax_lite.tagging._loss_tags import LossTag, find_loss_tags
 
 
 # The most model-output elements a loss head is evaluated at when the
 # recognition verifies it (``TaggedLoss._recognise``): 4 MiB of float32.
 VERIFY_LIMIT = 1 << 20
-
-
-def path_name(path):
-  """``params/Dense_0/kernel`` from a key path."""
-  parts = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(parts) if parts else "params"
 
 
 def _check_params(params):
@@ -147,8 +136,7 @@ class TaggedLoss:
   def with_blocks(self, overrides=None, *, damping_mode="pi",
                   weight_sharing="expand") -> "TaggedLoss":
     """The same detection (no re-trace) with every layer's block chosen by
-    the block policy (``kfac_jax_lite._block_policy.with_blocks``)."""
-    from kfac_jax_lite import _block_policy  # Above tagging: at call time.
+    the block policy (``_block_policy.with_blocks``)."""
     return _block_policy.with_blocks(self, overrides,
                                      damping_mode=damping_mode,
                                      weight_sharing=weight_sharing)

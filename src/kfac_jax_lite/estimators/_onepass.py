@@ -31,38 +31,13 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from kfac_jax_lite import _block_policy
 from kfac_jax_lite import tagging
-from kfac_jax_lite import transform
-# The module's class (the package's ``eigen_adam`` is the function).
-from kfac_jax_lite.eigen_adam import EigenAdamState
-from kfac_jax_lite.estimators import (
-    Estimate, check_estimation, check_example_axis, check_has_loss,
-    check_stats_fraction, estimate, stats_batch_size, stats_slice)
-
-
-def stats_due(state: optax.OptState) -> jax.Array:
-  """Whether the next ``kfl.kfac`` (or ``kfl.eigen_adam``) update
-  accumulates statistics.
-
-  ``state``: an optax state holding one ``kfl.kfac`` state (its own, a
-  chain's, or ``kfl.kfac_optimizer``'s) or one ``kfl.eigen_adam`` state.
-  Returns a scalar boolean from its ``stats_due``: ``count % cov_every ==
-  0`` for the update to come; pass it as ``est_fn(...,
-  with_stats=kfl.stats_due(state))`` so the statistics are computed only
-  on the steps that use them (module doc).
-  """
-  kinds = (transform.KfacState, EigenAdamState)
-  found = [s for s in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, kinds)) if isinstance(s, kinds)]
-  if len(found) != 1:
-    raise ValueError(
-        "kfl.stats_due needs an optax state that holds exactly one kfl.kfac "
-        "or kfl.eigen_adam state (KfacState, EigenAdamState); found "
-        f"{len(found)} in {type(state).__name__}")
-  return found[0].stats_due > 0
+from kfac_jax_lite.estimators._checks import (
+    check_estimation, check_example_axis, check_has_loss)
+from kfac_jax_lite.estimators._estimate import Estimate, estimate
+from kfac_jax_lite.estimators._fraction import (
+    check_stats_fraction, stats_batch_size, stats_slice)
 
 
 def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
@@ -162,10 +137,10 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
   stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)")
   check_example_axis(example_axis, batch, stats_fraction,
                      "value_grad_and_stats")
-  tagged = _block_policy.with_blocks(tagging.find_layers(
+  tagged = tagging.find_layers(
       loss_fn, params, batch, has_aux=has_aux, exclude=exclude,
-      example_axis=example_axis), blocks, damping_mode=damping_mode,
-      weight_sharing=weight_sharing)
+      example_axis=example_axis).with_blocks(
+          blocks, damping_mode=damping_mode, weight_sharing=weight_sharing)
   check_has_loss(tagged, estimation, "value_grad_and_stats")
   stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)",
                    tagged.examples)  # Now knowing which leaves are examples.

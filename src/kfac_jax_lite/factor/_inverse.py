@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kfac_jax_lite import _packing
+from kfac_jax_lite.factor import _packing
 
 HIGHEST = lax.Precision.HIGHEST
 BLOCK_SIZE = 64  # Pivot block width of gauss_jordan_inverse (measured on CPU).

@@ -1,7 +1,7 @@
 """What the first step would refuse, found when K-FAC is built.
 
 ``refusal(tagged, params, batch, estimation)`` traces one statistics pass
-(``estimators.estimate``) and every block's ``update`` of its fresh
+(``estimate``) and every block's ``update`` of its fresh
 state with those statistics, abstractly (``jax.eval_shape``: a trace, no
 compilation, no arithmetic), on the example batch. It returns None, or the
 error the first step would raise, as ``"ValueError: ..."``. ``kfl.kfac``
@@ -14,28 +14,28 @@ from __future__ import annotations
 
 import jax
 
-from kfac_jax_lite import _dtypes
+from kfac_jax_lite import tagging
+from kfac_jax_lite.estimators._estimate import estimate
+from kfac_jax_lite.factor import float_dtype
 
 
 def refusal(tagged, params, batch, estimation="fisher", num_samples=1):
   """None, or the first step's error on ``batch`` (module doc);
   ``tagged`` has its blocks (``TaggedLoss.with_blocks``)."""
-  from kfac_jax_lite import estimators
-  from kfac_jax_lite.tagging import _vma
   leaves = jax.tree.leaves(params)
 
   def one(p, b):
-    states = {l.name: l.block.init(_dtypes.float_dtype(
+    states = {l.name: l.block.init(float_dtype(
         [leaves[i] for i in l.leaves]))
         for l in tagged.layers}
-    est = estimators.estimate(tagged, p, b, jax.random.PRNGKey(0),
-                              estimation=estimation, num_samples=num_samples,
-                              states=states)
+    est = estimate(tagged, p, b, jax.random.PRNGKey(0),
+                   estimation=estimation, num_samples=num_samples,
+                   states=states)
     return {l.name: l.block.update(states[l.name], est.stats[l.name], 0.95)
             for l in tagged.layers}
   try:
-    jax.eval_shape(one, jax.tree.map(_vma.abstract, params),
-                   jax.tree.map(_vma.abstract, batch))
+    jax.eval_shape(one, jax.tree.map(tagging.abstract_value, params),
+                   jax.tree.map(tagging.abstract_value, batch))
   except NameError as e:  # An axis name bound only inside the mesh.
     if "axis name" in str(e):
       return None

@@ -1,6 +1,9 @@
 """Registered losses: drop-in replacements for optax's that mark the model
 output and its predictive distribution for the curvature estimators.
 
+Layer 1. Owns the registered losses and their predictive distributions
+(``losses.distributions``). May import: ``factor``.
+
 Each function returns exactly what its optax namesake returns (per-element
 values, to be reduced by the caller with ``.mean()``, ``.sum()``, a mask...)
 and routes the values through ``loss_tag``, an identity primitive that also
@@ -19,7 +22,7 @@ from jax.typing import ArrayLike
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from kfac_jax_lite import distributions as dists
+from kfac_jax_lite.losses import distributions as dists
 
 __all__ = [
     "gaussian_nll", "l2_loss", "registered_loss", "sigmoid_binary_cross_entropy",

@@ -114,6 +114,7 @@ that is not finite keeps the previous basis.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+import functools
 from typing import Any, Callable, NamedTuple
 
 import chex
@@ -124,11 +125,12 @@ import optax
 
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite import estimators
-from kfac_jax_lite import _dtypes
-from kfac_jax_lite._eigenbasis import (
+from kfac_jax_lite.factor import float_dtype
+from kfac_jax_lite.optimizers._eigenbasis import (
     basis_of, from_basis, is_factor, rebase_moments, refresh_factor,
     shampoo_stats, to_basis)
-from kfac_jax_lite import transform
+from kfac_jax_lite.optimizers import options as O
+from kfac_jax_lite.optimizers import transform
 
 BASES = ("kfac", "shampoo")
 REFRESHES = ("eigh", "power")
@@ -157,7 +159,7 @@ def inner_block(block) -> Any:
   return B.as_block(block).one_slice
 
 
-def per_slice(layer, fn):
+def per_slice(layer, fn: Callable) -> Callable:
   """``fn`` on each slice of a stacked layer's arrays (``jax.vmap`` over
   their leading axis), or ``fn`` itself for a layer that is not stacked."""
   return jax.vmap(fn) if isinstance(layer.block, B.Stacked) else fn
@@ -214,29 +216,18 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       ``"keep"`` (SOAP's; it stays with its column) or ``"project"`` (the
       diagonal of its matrix in the new basis); the first moment is always
       rotated.
-    cov_decay: ``β`` of the factors' zero-debiased EMA (both bases).
-    cov_every: the statistics are formed and folded into the factors only
-      at the counts that are multiples of it (both bases; at the others
-      ``stats=`` is ignored and ``batch=`` only checked): with ``"kfac"``
-      the sampled backward pass and the factors' products (on the MNIST
-      autoencoder together more than the rotations) are then paid once in
-      ``cov_every`` updates. In the one-pass style pass
-      ``with_stats=kfl.stats_due(state)`` to ``kfl.value_grad_and_stats``'s
-      function so that it skips them too.
-    estimation: as in ``kfl.kfac`` (``basis="kfac"``: how the statistics
-      are estimated).
-    num_samples: as in ``kfl.kfac``.
-    stats_fraction: as in ``kfl.kfac``.
-    blocks: as in ``kfl.kfac``; it may turn a layer's Kronecker block into
-      another kind, which then gets plain Adam.
-    exclude: as in ``kfl.kfac``.
-    weight_sharing: as in ``kfl.kfac``.
-    has_aux: as in ``kfl.kfac``.
-    seed: as in ``kfl.kfac``.
-    example_axis: as in ``kfl.kfac``.
-    axis_name: the ``pmap``/``shard_map`` axis to average the statistics
-      (and, for ``"shampoo"``, the gradients they are formed from) over;
-      every device then computes the same bases.
+    cov_decay, cov_every, estimation, num_samples, stats_fraction, blocks,
+      exclude, weight_sharing, axis_name, has_aux, seed, example_axis: how
+      the curvature is estimated and kept, as in ``kfl.kfac``
+      (``kfl.CurvatureOptions`` documents each). Here ``cov_every`` also
+      spares ``"shampoo"``'s statistics; with ``"kfac"`` the sampled
+      backward pass and the factors' products (on the MNIST autoencoder
+      together more than the rotations) are then paid once in
+      ``cov_every`` updates. ``estimation`` matters for ``basis="kfac"``
+      only; ``blocks`` may turn a layer's Kronecker block into another
+      kind, which then gets plain Adam; ``axis_name`` averages the
+      statistics (and, for ``"shampoo"``, the gradients they are formed
+      from), so every device computes the same bases.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``: ``init(params)`` and
@@ -253,187 +244,260 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       D., Janson, L. and Kakade, S. (2024). SOAP: Improving and stabilizing
       Shampoo using Adam. arXiv:2409.11321.
   """
-  _check("basis", basis, BASES)
-  _check("refresh", refresh, REFRESHES)
-  _check("nu_rebase", nu_rebase, NU_REBASES)
-  for name, value in (("refresh_every", refresh_every),
-                      ("cov_every", cov_every)):
-    if not (isinstance(value, int) and not isinstance(value, bool)
-            and value >= 1):
-      raise ValueError(f"eigen_adam: {name} must be a positive int, got "
-                       f"{value!r}")
+  adam = AdamOptions(b1=b1, b2=b2, eps=eps, eps_root=eps_root, basis=basis,
+                     refresh=refresh, refresh_every=refresh_every,
+                     nu_rebase=nu_rebase)
+  adam.check()
+  shared = O.CurvatureOptions(
+      estimation=estimation, num_samples=num_samples, cov_decay=cov_decay,
+      cov_every=cov_every, stats_fraction=stats_fraction, blocks=blocks,
+      exclude=exclude, weight_sharing=weight_sharing,
+      example_axis=example_axis, has_aux=has_aux, axis_name=axis_name,
+      seed=seed)
   # kfl.kfac's tagging and block choice; "exact" damping gives Kronecker
   # blocks "eigh" caches, where the bases are kept. Its update is not used.
-  tagged_for = transform.kfac_with_layers(
-      loss_fn, example_batch, estimation=estimation, num_samples=num_samples,
-      damping_mode="exact", stats_fraction=stats_fraction, blocks=blocks,
-      exclude=exclude, weight_sharing=weight_sharing, has_aux=has_aux,
-      example_axis=example_axis).layers
+  layers = transform.build(
+      loss_fn, example_batch, shared,
+      O.PreconditionerOptions(damping_mode="exact"), where="eigen_adam").layers
+  cfg = _EigenAdam(adam, shared, layers)
+  return optax.GradientTransformationExtraArgs(
+      functools.partial(_init, cfg), functools.partial(_update, cfg))
 
-  def rotated(tagged):
-    return [l for l in tagged.layers if is_rotated(l)]
 
-  def init_fn(params):
-    tagged = tagged_for(params)
-    if basis == "kfac":
-      estimators.check_has_loss(tagged, estimation, "kfl.eigen_adam")
-    leaves = jax.tree.leaves(params)
-    layers = rotated(tagged)
-    covered = {i for l in layers for i in l.leaves}
-    states = {l.name: l.block.init(_dtypes.float_dtype(
-        [leaves[i] for i in l.leaves])) for l in layers}
-    def moment(l):
-      lay = inner_block(l.block).layout
-      stack = (l.block.n,) if isinstance(l.block, B.Stacked) else ()
-      return jnp.zeros(stack + (lay.groups, lay.a, lay.b),
-                       states[l.name].g.cov.dtype)
-    plain = lambda: tuple(jnp.zeros((0,), x.dtype) if i in covered
-                          else jnp.zeros_like(x) for i, x in enumerate(leaves))
-    return EigenAdamState(
-        count=jnp.zeros((), jnp.int32), stats_due=jnp.ones((), jnp.int32),
-        key=jax.random.PRNGKey(seed),
-        blocks=states, mu_basis={l.name: moment(l) for l in layers},
-        nu_basis={l.name: moment(l) for l in layers}, mu=plain(), nu=plain())
+class AdamOptions(NamedTuple):
+  """``eigen_adam``'s own options (its Args): Adam's and the bases'."""
 
-  def adam(g, m, v, count_inc):
-    m = (1 - b1) * g + b1 * m
-    v = (1 - b2) * g ** 2 + b2 * v
-    m_hat = m / (1 - b1 ** count_inc).astype(m.dtype)
-    v_hat = v / (1 - b2 ** count_inc).astype(v.dtype)
-    return m_hat / (jnp.sqrt(v_hat + eps_root) + eps), m, v
+  b1: float
+  b2: float
+  eps: float
+  eps_root: float
+  basis: str
+  refresh: str
+  refresh_every: int
+  nu_rebase: str
 
-  def update_fn(updates, state, params=None, *, batch=None, stats=None,
-                **extra_args):
-    del extra_args
-    if params is None:
-      raise ValueError("eigen_adam needs params: tx.update(grads, state, "
-                       "params, batch=batch)")
-    if basis == "kfac" and stats is None and batch is None:
-      raise ValueError("eigen_adam(basis='kfac').update needs batch= (or "
-                       "precomputed stats=)")
-    tagged = tagged_for(params)
-    layers = rotated(tagged)
-    leaves, treedef = jax.tree.flatten(updates)  # The gradients.
-    vectors = {l.name: tuple(leaves[i].reshape(s) for i, s in zip(
-        l.leaves, l.block.param_shapes)) for l in layers}
-    key, stats_key = jax.random.split(state.key)
-    if axis_name is not None and basis == "kfac" and stats is None:
-      # Independent samples on every device.
-      stats_key = jax.random.fold_in(stats_key, jax.lax.axis_index(axis_name))
+  def check(self) -> None:
+    """A ``ValueError`` for an option out of its range."""
+    _check("basis", self.basis, BASES)
+    _check("refresh", self.refresh, REFRESHES)
+    _check("nu_rebase", self.nu_rebase, NU_REBASES)
+    value = self.refresh_every
+    if not (isinstance(value, int) and not isinstance(value, bool)
+            and value >= 1):
+      raise ValueError(f"eigen_adam: refresh_every must be a positive int, "
+                       f"got {value!r}")
 
-    if basis == "kfac" and stats is None:
-      if jax.tree.structure(batch) != tagged.batch_treedef:
-        raise ValueError(f"batch structure {jax.tree.structure(batch)} "
-                         f"differs from the example batch's "
-                         f"{tagged.batch_treedef}")
-      # This batch's own trace (another batch size), checked to give the
-      # example batch's layers, as kfl.kfac does.
-      tagged = tagged_for(params, batch)
-      estimators.stats_batch_size(batch, stats_fraction, "eigen_adam.update",
-                                  tagged.examples)
 
-    def fold(blocks):
-      """This step's statistics into the factors."""
-      if basis == "shampoo":
-        new = {l.name: per_slice(l, lambda v, b=inner_block(l.block):
-                                 shampoo_stats(b, v))(vectors[l.name])
-               for l in layers}
-        if axis_name is not None:
-          new = jax.lax.pmean(new, axis_name)
-      elif stats is not None:
-        new = jax.lax.pmean(stats, axis_name) if axis_name else stats
-      else:
-        new = kfac_statistics(blocks)
-      return transform.accumulate(layers, blocks, new, cov_decay)
+class _EigenAdam(NamedTuple):
+  """What one ``eigen_adam`` fixes when built."""
 
-    def fold_due(blocks):
-      """``fold`` on the counts that are multiples of ``cov_every``."""
-      if cov_every == 1:
-        return fold(blocks)
-      return jax.lax.cond(state.count % cov_every == 0, fold,
-                          lambda b: b, blocks)
+  adam: AdamOptions
+  curvature: O.CurvatureOptions
+  layers: Callable  # kfl.kfac's detection: (params, batch=None) -> tagged.
 
-    def kfac_statistics(blocks):
-      dtype = _dtypes.float_dtype(params)
-      all_states = {l.name: (blocks[l.name] if l.name in blocks
-                             else l.block.init(dtype)) for l in tagged.layers}
-      stats_now, _ = transform.statistics(
-          tagged, params, batch, stats_key, all_states, estimation=estimation,
-          num_samples=num_samples, stats_fraction=stats_fraction,
-          axis_name=axis_name)
-      return stats_now
 
-    def refresh_due(states, mu_b, nu_b):
-      """New bases where due, the moments carried into them."""
-      due = (state.count % refresh_every == 0) & (state.count > 0)
-      needs = {l.name: B.as_block(l.block).has_statistics(states[l.name])
-               & (due | ~B.as_block(l.block).is_ready(states[l.name]))
-               for l in layers}
+class _Step(NamedTuple):
+  """What one update works on: the detection, its rotated layers, the
+  gradient's leaves (and, per rotated layer, its matrices), the inputs."""
 
-      def run(args):
-        states, mu_b, nu_b = args
-        out = ({}, {}, {})
-        for l in layers:
-          old = states[l.name]
-          fresh = per_slice(l, lambda st: jax.tree.map(
-              lambda f: refresh_factor(f, state.count, refresh), st,
-              is_leaf=is_factor))(old)
-          m, v = per_slice(l, lambda m, v, o, n: rebase_moments(
-              m, v, o, n, nu_rebase))(mu_b[l.name], nu_b[l.name], old, fresh)
-          need = needs[l.name]
-          pick = lambda n, o: jax.tree.map(
-              lambda a, b: jnp.where(need, a, b), n, o)
-          out[0][l.name] = pick(fresh, old)
-          out[1][l.name] = pick(m, mu_b[l.name])
-          out[2][l.name] = pick(v, nu_b[l.name])
-        return out
+  tagged: Any
+  layers: list
+  leaves: list
+  vectors: dict
+  params: Any
+  batch: Any
+  stats: Any
+  stats_key: Any
+  count: Any
 
-      if not layers:
-        return states, mu_b, nu_b
-      return jax.lax.cond(jnp.any(jnp.stack(list(needs.values()))), run,
-                          lambda a: a, (states, mu_b, nu_b))
 
-    def adam_step(states, mu_b, nu_b, t):
-      """Adam at step ``t``: in the bases for the rotated layers, plainly
-      for the rest; ``(updates, mu_b, nu_b, mu, nu)``."""
-      out, mu, nu, mu_b = list(leaves), list(state.mu), list(state.nu), dict(mu_b)
-      nu_b = dict(nu_b)
-      for l in layers:
-        lay, dtype = inner_block(l.block).layout, mu_b[l.name].dtype
-        g = per_slice(l, lambda st, v: to_basis(
-            lay.to_mat(v).astype(dtype), basis_of(st.a), basis_of(st.g)))(
-                states[l.name], vectors[l.name])
-        u, mu_b[l.name], nu_b[l.name] = adam(g, mu_b[l.name], nu_b[l.name], t)
-        u = per_slice(l, lambda st, u: lay.from_mat(from_basis(
-            u, basis_of(st.a), basis_of(st.g))))(states[l.name], u)
-        for i, x in zip(l.leaves, u):
-          out[i] = x.reshape(leaves[i].shape).astype(leaves[i].dtype)
-      covered = {i for l in layers for i in l.leaves}
-      for i, g in enumerate(leaves):
-        if i not in covered:
-          out[i], mu[i], nu[i] = adam(g, mu[i], nu[i], t)
-      return out, mu_b, nu_b, tuple(mu), tuple(nu)
+def _rotated(tagged):
+  return [l for l in tagged.layers if is_rotated(l)]
 
-    count_inc = optax.safe_increment(state.count)
-    if basis == "kfac":  # This step's statistics, then its basis.
-      states, mu_b, nu_b = refresh_due(fold_due(state.blocks),
-                                       state.mu_basis, state.nu_basis)
-      out, mu_b, nu_b, mu, nu = adam_step(states, mu_b, nu_b, count_inc)
-    else:  # SOAP: the step in the bases of the earlier gradients, then
-      # this gradient into the factors; the first step only starts them.
-      first = state.count == 0
-      out, *moments = adam_step(state.blocks, state.mu_basis, state.nu_basis,
-                                jnp.maximum(state.count, 1))
-      out = [jnp.where(first, jnp.zeros_like(u), u) for u in out]
-      mu_b, nu_b, mu, nu = jax.tree.map(
-          lambda new, old: jnp.where(first, old, new), tuple(moments),
-          (state.mu_basis, state.nu_basis, state.mu, state.nu))
-      states, mu_b, nu_b = refresh_due(fold_due(state.blocks), mu_b, nu_b)
-    new_state = EigenAdamState(
-        count=count_inc,
-        stats_due=(jnp.mod(count_inc, cov_every) == 0).astype(jnp.int32),
-        key=key, blocks=states, mu_basis=mu_b, nu_basis=nu_b, mu=tuple(mu),
-        nu=tuple(nu))
-    return jax.tree.unflatten(treedef, out), new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+def _init(cfg: _EigenAdam, params) -> EigenAdamState:
+  tagged = cfg.layers(params)
+  if cfg.adam.basis == "kfac":
+    estimators.check_has_loss(tagged, cfg.curvature.estimation,
+                              "kfl.eigen_adam")
+  leaves = jax.tree.leaves(params)
+  layers = _rotated(tagged)
+  covered = {i for l in layers for i in l.leaves}
+  states = {l.name: l.block.init(float_dtype(
+      [leaves[i] for i in l.leaves])) for l in layers}
+
+  def moment(l):
+    lay = inner_block(l.block).layout
+    stack = (l.block.n,) if isinstance(l.block, B.Stacked) else ()
+    return jnp.zeros(stack + (lay.groups, lay.a, lay.b),
+                     states[l.name].g.cov.dtype)
+  plain = lambda: tuple(jnp.zeros((0,), x.dtype) if i in covered
+                        else jnp.zeros_like(x) for i, x in enumerate(leaves))
+  return EigenAdamState(
+      count=jnp.zeros((), jnp.int32), stats_due=jnp.ones((), jnp.int32),
+      key=jax.random.PRNGKey(cfg.curvature.seed),
+      blocks=states, mu_basis={l.name: moment(l) for l in layers},
+      nu_basis={l.name: moment(l) for l in layers}, mu=plain(), nu=plain())
+
+
+def _adam(a: AdamOptions, g, m, v, count_inc):
+  """One Adam step on ``g`` with moments ``m``, ``v`` at count ``count_inc``:
+  ``(direction, m, v)``."""
+  m = (1 - a.b1) * g + a.b1 * m
+  v = (1 - a.b2) * g ** 2 + a.b2 * v
+  m_hat = m / (1 - a.b1 ** count_inc).astype(m.dtype)
+  v_hat = v / (1 - a.b2 ** count_inc).astype(v.dtype)
+  return m_hat / (jnp.sqrt(v_hat + a.eps_root) + a.eps), m, v
+
+
+def _step_of(cfg: _EigenAdam, updates, state, params, batch, stats) -> _Step:
+  """The checks of ``update``'s arguments and its ``_Step``."""
+  a, c = cfg.adam, cfg.curvature
+  if params is None:
+    raise ValueError("eigen_adam needs params: tx.update(grads, state, "
+                     "params, batch=batch)")
+  if a.basis == "kfac" and stats is None and batch is None:
+    raise ValueError("eigen_adam(basis='kfac').update needs batch= (or "
+                     "precomputed stats=)")
+  tagged = cfg.layers(params)
+  layers = _rotated(tagged)
+  leaves = jax.tree.leaves(updates)  # The gradients.
+  vectors = {l.name: tuple(leaves[i].reshape(s) for i, s in zip(
+      l.leaves, l.block.param_shapes)) for l in layers}
+  _, stats_key = jax.random.split(state.key)
+  if c.axis_name is not None and a.basis == "kfac" and stats is None:
+    # Independent samples on every device.
+    stats_key = jax.random.fold_in(stats_key, jax.lax.axis_index(c.axis_name))
+  if a.basis == "kfac" and stats is None:
+    if jax.tree.structure(batch) != tagged.batch_treedef:
+      raise ValueError(f"batch structure {jax.tree.structure(batch)} "
+                       f"differs from the example batch's "
+                       f"{tagged.batch_treedef}")
+    # This batch's own trace (another batch size), checked to give the
+    # example batch's layers, as kfl.kfac does.
+    tagged = cfg.layers(params, batch)
+    estimators.stats_batch_size(batch, c.stats_fraction, "eigen_adam.update",
+                                tagged.examples)
+  return _Step(tagged, layers, leaves, vectors, params, batch, stats,
+               stats_key, state.count)
+
+
+def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
+            stats=None, **extra_args):
+  """``update`` (``eigen_adam``'s Returns): ``"kfac"`` folds this step's
+  statistics and refreshes the bases before Adam's step; ``"shampoo"``
+  (SOAP) steps in the bases of the earlier gradients, then folds this one
+  in (the first step only starts them)."""
+  del extra_args
+  s = _step_of(cfg, updates, state, params, batch, stats)
+  treedef = jax.tree.structure(updates)
+  count_inc = optax.safe_increment(state.count)
+  if cfg.adam.basis == "kfac":  # This step's statistics, then its basis.
+    states, mu_b, nu_b = _refresh_due(cfg, s, _fold_due(cfg, s, state.blocks),
+                                      state.mu_basis, state.nu_basis)
+    out, mu_b, nu_b, mu, nu = _adam_step(cfg, s, state, states, mu_b, nu_b,
+                                         count_inc)
+  else:
+    first = state.count == 0
+    out, *moments = _adam_step(cfg, s, state, state.blocks, state.mu_basis,
+                               state.nu_basis, jnp.maximum(state.count, 1))
+    out = [jnp.where(first, jnp.zeros_like(u), u) for u in out]
+    mu_b, nu_b, mu, nu = jax.tree.map(
+        lambda new, old: jnp.where(first, old, new), tuple(moments),
+        (state.mu_basis, state.nu_basis, state.mu, state.nu))
+    states, mu_b, nu_b = _refresh_due(cfg, s, _fold_due(cfg, s, state.blocks),
+                                      mu_b, nu_b)
+  new_state = EigenAdamState(
+      count=count_inc,
+      stats_due=(jnp.mod(count_inc, cfg.curvature.cov_every) == 0
+                 ).astype(jnp.int32),
+      key=jax.random.split(state.key)[0], blocks=states, mu_basis=mu_b,
+      nu_basis=nu_b, mu=tuple(mu), nu=tuple(nu))
+  return jax.tree.unflatten(treedef, out), new_state
+
+
+def _fold(cfg: _EigenAdam, s: _Step, blocks):
+  """This step's statistics into the factors."""
+  c = cfg.curvature
+  if cfg.adam.basis == "shampoo":
+    new = {l.name: per_slice(l, lambda v, b=inner_block(l.block):
+                             shampoo_stats(b, v))(s.vectors[l.name])
+           for l in s.layers}
+    if c.axis_name is not None:
+      new = jax.lax.pmean(new, c.axis_name)
+  elif s.stats is not None:
+    new = jax.lax.pmean(s.stats, c.axis_name) if c.axis_name else s.stats
+  else:
+    dtype = float_dtype(s.params)
+    all_states = {l.name: (blocks[l.name] if l.name in blocks
+                           else l.block.init(dtype)) for l in s.tagged.layers}
+    new, _ = transform.statistics(
+        s.tagged, s.params, s.batch, s.stats_key, all_states,
+        estimation=c.estimation, num_samples=c.num_samples,
+        stats_fraction=c.stats_fraction, axis_name=c.axis_name)
+  return transform.accumulate(s.layers, blocks, new, c.cov_decay)
+
+
+def _fold_due(cfg: _EigenAdam, s: _Step, blocks):
+  """``_fold`` on the counts that are multiples of ``cov_every``."""
+  every = cfg.curvature.cov_every
+  if every == 1:
+    return _fold(cfg, s, blocks)
+  return jax.lax.cond(s.count % every == 0, functools.partial(_fold, cfg, s),
+                      lambda b: b, blocks)
+
+
+def _refresh_due(cfg: _EigenAdam, s: _Step, states, mu_b, nu_b):
+  """New bases where due, the moments carried into them."""
+  a = cfg.adam
+  due = (s.count % a.refresh_every == 0) & (s.count > 0)
+  needs = {l.name: B.as_block(l.block).has_statistics(states[l.name])
+           & (due | ~B.as_block(l.block).is_ready(states[l.name]))
+           for l in s.layers}
+
+  def run(args):
+    states, mu_b, nu_b = args
+    out = ({}, {}, {})
+    for l in s.layers:
+      old = states[l.name]
+      fresh = per_slice(l, lambda st: jax.tree.map(
+          lambda f: refresh_factor(f, s.count, a.refresh), st,
+          is_leaf=is_factor))(old)
+      m, v = per_slice(l, lambda m, v, o, n: rebase_moments(
+          m, v, o, n, a.nu_rebase))(mu_b[l.name], nu_b[l.name], old, fresh)
+      need = needs[l.name]
+      pick = lambda n, o: jax.tree.map(
+          lambda x, y: jnp.where(need, x, y), n, o)
+      out[0][l.name] = pick(fresh, old)
+      out[1][l.name] = pick(m, mu_b[l.name])
+      out[2][l.name] = pick(v, nu_b[l.name])
+    return out
+
+  if not s.layers:
+    return states, mu_b, nu_b
+  return jax.lax.cond(jnp.any(jnp.stack(list(needs.values()))), run,
+                      lambda x: x, (states, mu_b, nu_b))
+
+
+def _adam_step(cfg: _EigenAdam, s: _Step, state, states, mu_b, nu_b, t):
+  """Adam at step ``t``: in the bases for the rotated layers, plainly
+  for the rest; ``(updates, mu_b, nu_b, mu, nu)``."""
+  leaves = s.leaves
+  out, mu, nu = list(leaves), list(state.mu), list(state.nu)
+  mu_b, nu_b = dict(mu_b), dict(nu_b)
+  for l in s.layers:
+    lay, dtype = inner_block(l.block).layout, mu_b[l.name].dtype
+    g = per_slice(l, lambda st, v: to_basis(
+        lay.to_mat(v).astype(dtype), basis_of(st.a), basis_of(st.g)))(
+            states[l.name], s.vectors[l.name])
+    u, mu_b[l.name], nu_b[l.name] = _adam(cfg.adam, g, mu_b[l.name],
+                                          nu_b[l.name], t)
+    u = per_slice(l, lambda st, u: lay.from_mat(from_basis(
+        u, basis_of(st.a), basis_of(st.g))))(states[l.name], u)
+    for i, x in zip(l.leaves, u):
+      out[i] = x.reshape(leaves[i].shape).astype(leaves[i].dtype)
+  covered = {i for l in s.layers for i in l.leaves}
+  for i, g in enumerate(leaves):
+    if i not in covered:
+      out[i], mu[i], nu[i] = _adam(cfg.adam, g, mu[i], nu[i], t)
+  return out, mu_b, nu_b, tuple(mu), tuple(nu)

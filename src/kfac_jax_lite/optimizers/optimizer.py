@@ -54,6 +54,8 @@ by tying γ² to it).
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
+import functools
 import typing
 from typing import Any, Callable, NamedTuple
 
@@ -64,8 +66,9 @@ import jax.numpy as jnp
 import optax
 
 from kfac_jax_lite import estimators
-from kfac_jax_lite import _dtypes
-from kfac_jax_lite import transform
+from kfac_jax_lite.factor import float_dtype
+from kfac_jax_lite.optimizers import options as O
+from kfac_jax_lite.optimizers import transform
 
 
 class KfacOptimizerState(NamedTuple):
@@ -96,7 +99,7 @@ class KfacOptimizerState(NamedTuple):
 def _tree_dot(a, b):
   """``⟨a, b⟩`` over all leaves (``optax.tree_utils.tree_vdot``), in the
   wider of their dtypes (at least float32)."""
-  dtype = _dtypes.float_dtype((a, b))
+  dtype = float_dtype((a, b))
   cast = lambda t: jax.tree.map(lambda x: x.astype(dtype), t)
   return optax.tree_utils.tree_vdot(cast(a), cast(b))
 
@@ -116,7 +119,7 @@ def _curvature_forms(tagged, params, batch, directions, curvature):
     dist = t.distribution
     roots = (dist.ggn_sqrt(outs[j], targets[j]) if curvature == "ggn"
              else dist.fisher_sqrt(outs[j]))
-    c_e = jnp.maximum(c[j].astype(_dtypes.float_dtype(c[j])), 0)
+    c_e = jnp.maximum(c[j].astype(float_dtype(c[j])), 0)
     proj = 0.0
     for b, v in zip(roots, jv[j]):  # b [*values, *event, K], v [2, *values, *event]
       event = b.ndim - 1 - c_e.ndim
@@ -213,8 +216,19 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
                    max_damping: float = 1e8, damping_decay: float = 19 / 20,
                    damping_adaptation_interval: int = 5, l2_reg: float = 0.0,
                    curvature: str = "ggn", use_momentum: bool = True,
-                   max_momentum: float = 0.99, has_aux: bool = False,
-                   **kfac_options: Any
+                   max_momentum: float = 0.99,
+                   estimation: str = "fisher", num_samples: int = 1,
+                   cov_decay: float = 0.95, cov_every: int = 1,
+                   stats_fraction: float = 1.0,
+                   blocks: Mapping[str, Any] | None = None,
+                   exclude: Sequence[str] = (), weight_sharing: str = "expand",
+                   example_axis: chex.ArrayTree | None = None,
+                   has_aux: bool = False, axis_name: Hashable | None = None,
+                   seed: int = 0, inverse_every: int = 10,
+                   damping_mode: str = "pi", precon_power: float = -1.0,
+                   norm_constraint: float | None = None,
+                   inverse_method: str = "auto", layout: str | None = None,
+                   gather: str = "updates"
                    ) -> optax.GradientTransformationExtraArgs:
   """The Martens–Grosse K-FAC optimizer (module docstring).
 
@@ -255,13 +269,17 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       ``μ`` along the previous update (else ``μ = 0``).
     max_momentum: ``μ`` is kept in ``[0, max_momentum]`` (and ``α``
       re-minimised for the clipped ``μ``); in ``[0, 1)``.
-    has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-    **kfac_options: passed to ``kfl.kfac`` (``estimation``, ``num_samples``,
-      ``cov_decay``, ``inverse_every``, ``damping_mode``, ``stats_fraction``,
-      ``blocks``, ``exclude``, ``axis_name``, ``inverse_method``,
-      ``example_axis`` (which axis of the batch holds the examples), ...), but
-      not ``damping``, which this optimizer adapts; ``norm_constraint``
-      defaults to None here (the quadratic model chooses the step's size).
+    estimation, num_samples, cov_decay, cov_every, stats_fraction, blocks,
+      exclude, weight_sharing, example_axis, has_aux, axis_name, seed: how
+      the curvature is estimated and kept, as in ``kfl.kfac``
+      (``kfl.CurvatureOptions`` documents each).
+    inverse_every, damping_mode, precon_power, norm_constraint,
+      inverse_method, layout, gather: the preconditioner's, as in
+      ``kfl.kfac`` (``kfl.PreconditionerOptions``), but ``norm_constraint``
+      defaults to None here (the quadratic model chooses the step's size)
+      and there is no ``damping`` (this optimizer adapts it) and no ``mesh``
+      (the quadratic model averages over ``axis_name``: call it inside
+      ``shard_map``/``pmap``; ``layout="sharded"`` works there).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads,
@@ -274,45 +292,88 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     Martens, J. and Grosse, R. (2015). Optimizing neural networks with
       Kronecker-factored approximate curvature. ICML. arXiv:1503.05671.
   """
-  if curvature not in ("ggn", "fisher"):
-    raise ValueError(f"curvature must be 'ggn' or 'fisher', got {curvature!r}")
-  if "damping" in kfac_options:
-    raise ValueError("kfac_optimizer adapts the damping: pass initial_damping")
-  if kfac_options.get("mesh") is not None:
-    raise ValueError(
-        "kfl.kfac_optimizer: mesh= (kfl.kfac under plain jit) is not "
-        "supported: its quadratic model averages over axis_name, so call it "
-        "inside shard_map/pmap with axis_name (layout='sharded' works there)")
-  _require(0 < min_damping <= initial_damping <= max_damping,
-           "need 0 < min_damping <= initial_damping <= max_damping, got "
-           f"{min_damping!r}, {initial_damping!r}, {max_damping!r}")
-  _require(0 < damping_decay < 1,
-           f"damping_decay must be in (0, 1), got {damping_decay!r}")
-  _require(isinstance(damping_adaptation_interval, int)
-           and damping_adaptation_interval >= 1,
-           "damping_adaptation_interval must be a positive int, got "
-           f"{damping_adaptation_interval!r}")
-  _require(l2_reg >= 0, f"l2_reg must be >= 0, got {l2_reg!r}")
-  _require(0 <= max_momentum < 1,
-           f"max_momentum must be in [0, 1), got {max_momentum!r}")
-  interval = damping_adaptation_interval
-  # No KL clipping by default: the quadratic model chooses the step length
-  # (α, μ), so rescaling the direction would only rescale the reported α
-  # (TF K-FAC and kfac-jax refuse norm_constraint with that step).
-  kfac_options = {"norm_constraint": None, **kfac_options}
-  inner, kfac_layers = transform.kfac_with_layers(
-      loss_fn, example_batch, has_aux=has_aux, damping=initial_damping,
-      **kfac_options)
-  omega = damping_decay ** interval
-  axis_name = kfac_options.get("axis_name")
-  # Under ``axis_name`` each device holds a shard of the batch: the quadratic
-  # model and the losses ρ compares are the device means (as the statistics).
-  device_mean = ((lambda x: jax.lax.pmean(x, axis_name)) if axis_name
-                 else (lambda x: x))
+  adaptation = Adaptation(
+      initial_damping=initial_damping, min_damping=min_damping,
+      max_damping=max_damping, damping_decay=damping_decay,
+      interval=damping_adaptation_interval, l2_reg=l2_reg,
+      curvature=curvature, use_momentum=use_momentum,
+      max_momentum=max_momentum)
+  adaptation.check()
+  shared = O.CurvatureOptions(
+      estimation=estimation, num_samples=num_samples, cov_decay=cov_decay,
+      cov_every=cov_every, stats_fraction=stats_fraction, blocks=blocks,
+      exclude=exclude, weight_sharing=weight_sharing,
+      example_axis=example_axis, has_aux=has_aux, axis_name=axis_name,
+      seed=seed)
+  preconditioner = O.PreconditionerOptions(
+      damping=initial_damping, inverse_every=inverse_every,
+      damping_mode=damping_mode, precon_power=precon_power,
+      norm_constraint=norm_constraint, inverse_method=inverse_method,
+      layout=layout, gather=gather)
+  inner, layers = transform.build(loss_fn, example_batch, shared,
+                                  preconditioner)
+  cfg = _Optimizer(loss_fn, has_aux, axis_name, inner, layers, adaptation)
+  return optax.GradientTransformationExtraArgs(
+      functools.partial(_init, cfg), functools.partial(_update, cfg))
 
-  def tagged_for(params):
-    # The preconditioner's own detection: one trace of loss_fn serves both.
-    tagged = kfac_layers(params)
+
+class Adaptation(NamedTuple):
+  """``kfac_optimizer``'s own options (its Args): the Levenberg–Marquardt
+  damping and the quadratic model's step."""
+
+  initial_damping: float
+  min_damping: float
+  max_damping: float
+  damping_decay: float
+  interval: int  # damping_adaptation_interval
+  l2_reg: float
+  curvature: str
+  use_momentum: bool
+  max_momentum: float
+
+  def check(self) -> None:
+    """A ``ValueError`` for an option out of its range."""
+    a = self
+    if a.curvature not in ("ggn", "fisher"):
+      raise ValueError(f"curvature must be 'ggn' or 'fisher', got "
+                       f"{a.curvature!r}")
+    _require(0 < a.min_damping <= a.initial_damping <= a.max_damping,
+             "need 0 < min_damping <= initial_damping <= max_damping, got "
+             f"{a.min_damping!r}, {a.initial_damping!r}, {a.max_damping!r}")
+    _require(0 < a.damping_decay < 1,
+             f"damping_decay must be in (0, 1), got {a.damping_decay!r}")
+    _require(isinstance(a.interval, int) and a.interval >= 1,
+             "damping_adaptation_interval must be a positive int, got "
+             f"{a.interval!r}")
+    _require(a.l2_reg >= 0, f"l2_reg must be >= 0, got {a.l2_reg!r}")
+    _require(0 <= a.max_momentum < 1,
+             f"max_momentum must be in [0, 1), got {a.max_momentum!r}")
+
+
+class _Optimizer(NamedTuple):
+  """What one ``kfac_optimizer`` fixes when built."""
+
+  loss_fn: Callable
+  has_aux: bool
+  axis_name: Hashable | None
+  inner: optax.GradientTransformationExtraArgs  # kfl.kfac's transform.
+  layers: Callable  # The preconditioner's detection (one trace serves both).
+  adaptation: Adaptation
+
+  def device_mean(self, x) -> Any:
+    """Under ``axis_name`` each device holds a shard of the batch: the
+    quadratic model and the losses ρ compares are the device means (as the
+    statistics)."""
+    return jax.lax.pmean(x, self.axis_name) if self.axis_name else x
+
+  def value(self, params, batch):
+    out = self.loss_fn(params, batch)
+    return out[0] if self.has_aux else out
+
+  def tagged(self, params):
+    """The detection, refusing a loss_fn without a registered or
+    recognised loss (the quadratic model needs its curvature)."""
+    tagged = self.layers(params)
     if not tagged.losses:
       seen = ("; its terms: " + "; ".join(tagged.unrecognised)
               if tagged.unrecognised else "")
@@ -327,73 +388,90 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
           "with estimation='empirical'")
     return tagged
 
-  def value(params, batch):
-    out = loss_fn(params, batch)
-    return out[0] if has_aux else out
 
-  def init_fn(params):
-    tagged_for(params)  # Refuse a loss_fn without a loss here, not at a step.
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    scalar = lambda x: jnp.asarray(x, _dtypes.float_dtype(params))
-    # optax types every transform's state as OptState; kfac's is a KfacState.
-    kfac_state = typing.cast(transform.KfacState, inner.init(params))
-    return KfacOptimizerState(kfac_state, scalar(initial_damping),
-                              zeros, scalar(0.0), scalar(0.0), scalar(0.0))
+def _init(cfg: _Optimizer, params) -> KfacOptimizerState:
+  cfg.tagged(params)  # Refuse a loss_fn without a loss here, not at a step.
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  scalar = lambda x: jnp.asarray(x, float_dtype(params))
+  # optax types every transform's state as OptState; kfac's is a KfacState.
+  kfac_state = typing.cast(transform.KfacState, cfg.inner.init(params))
+  return KfacOptimizerState(kfac_state, scalar(cfg.adaptation.initial_damping),
+                            zeros, scalar(0.0), scalar(0.0), scalar(0.0))
 
-  def update_fn(updates, state, params=None, *, batch=None, stats=None,
-                loss=None, **extra_args):
-    del extra_args
-    if params is None or batch is None:
-      raise ValueError("kfac_optimizer.update needs params and batch=")
-    tagged = tagged_for(params)
-    dtype = _dtypes.float_dtype(params)
-    lam = state.damping.astype(dtype)
-    precond, kstate = inner.update(updates, state.kfac, params, batch=batch,
-                                   stats=stats, damping=lam + l2_reg,
-                                   loss=loss)
-    kstate = typing.cast(transform.KfacState, kstate)  # As in init_fn.
-    delta = jax.tree.map(lambda u: -u, precond)
-    first = kstate.count == 1
-    vel = state.velocity
-    dirs = jax.tree.map(lambda a, b: jnp.stack([a, b.astype(a.dtype)]), delta, vel)
-    forms, loss = device_mean(_curvature_forms(tagged, params, batch, dirs,
-                                               curvature))
-    forms = forms.astype(dtype)
-    gram = jnp.array([[_tree_dot(delta, delta), _tree_dot(delta, vel)],
-                      [_tree_dot(vel, delta), _tree_dot(vel, vel)]], dtype)
-    b = jnp.array([_tree_dot(updates, delta), _tree_dot(updates, vel)], dtype)
-    q_undamped = forms + l2_reg * gram
-    q = q_undamped + lam * gram
-    coeffs = quadratic_model_step(q, b, use_momentum=(~first) & use_momentum,
-                                  max_momentum=max_momentum)
-    alpha, mu = coeffs[0], coeffs[1]
-    step = jax.tree.map(
-        lambda d, v: (alpha * d + mu * v.astype(d.dtype)).astype(d.dtype),
-        delta, vel)
-    model_change = 0.5 * coeffs @ q_undamped @ coeffs + coeffs @ b
 
-    def adapt(operand):
-      lam, step = operand
-      new_loss = device_mean(value(optax.apply_updates(params, step), batch))
-      # ρ = actual / predicted reduction. A step the model predicts no
-      # reduction for (a skipped one) leaves λ alone; a non-finite or
-      # negative ρ raises it (M&G §6.5), and a non-finite new loss also
-      # rejects the step.
-      rho = reduction_ratio(new_loss, loss, model_change).astype(dtype)
-      new_lam = levenberg_marquardt(lam, rho, omega, min_damping, max_damping)
-      moved = (model_change < 0) | ~jnp.isfinite(new_loss)
-      step = jax.tree.map(lambda s: jnp.where(jnp.isfinite(new_loss), s,
-                                              jnp.zeros_like(s)), step)
-      return jnp.where(moved, new_lam, lam), rho, step
+def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
+            stats=None, loss=None, **extra_args):
+  """``update``: the preconditioned direction, the quadratic model's
+  ``α`` and ``μ`` (``_model_step``) and, every ``interval`` steps, the
+  damping's adaptation (``_adapt``)."""
+  del extra_args
+  if params is None or batch is None:
+    raise ValueError("kfac_optimizer.update needs params and batch=")
+  a = cfg.adaptation
+  dtype = float_dtype(params)
+  lam = state.damping.astype(dtype)
+  precond, kstate = cfg.inner.update(updates, state.kfac, params, batch=batch,
+                                     stats=stats, damping=lam + a.l2_reg,
+                                     loss=loss)
+  kstate = typing.cast(transform.KfacState, kstate)  # As in _init.
+  delta = jax.tree.map(lambda u: -u, precond)
+  step, coeffs, model_change, loss = _model_step(
+      cfg, params, batch, updates, delta, state.velocity, lam,
+      first=kstate.count == 1, dtype=dtype)
+  new_lam, rho, step = jax.lax.cond(
+      kstate.count % a.interval == 0,
+      functools.partial(_adapt, cfg, params, batch, loss, model_change),
+      lambda op: (op[0], state.rho.astype(dtype), op[1]), (lam, step))
+  new_state = KfacOptimizerState(
+      kstate, new_lam.astype(state.damping.dtype),
+      jax.tree.map(lambda s, v: s.astype(v.dtype), step, state.velocity),
+      coeffs[0].astype(state.learning_rate.dtype),
+      coeffs[1].astype(state.momentum.dtype), rho.astype(state.rho.dtype))
+  return step, new_state
 
-    new_lam, rho, step = jax.lax.cond(
-        kstate.count % interval == 0, adapt,
-        lambda op: (op[0], state.rho.astype(dtype), op[1]), (lam, step))
-    new_state = KfacOptimizerState(
-        kstate, new_lam.astype(state.damping.dtype),
-        jax.tree.map(lambda s, v: s.astype(v.dtype), step, vel),
-        alpha.astype(state.learning_rate.dtype),
-        mu.astype(state.momentum.dtype), rho.astype(state.rho.dtype))
-    return step, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+def _model_step(cfg: _Optimizer, params, batch, grads, delta, vel, lam, *,
+                first, dtype):
+  """The step ``αΔ + μδ`` minimising the quadratic model (module doc, 1.),
+  its coefficients ``[α, μ]``, the model's change without ``λ`` and the
+  batch's loss (from the same linearised pass)."""
+  a = cfg.adaptation
+  dirs = jax.tree.map(lambda d, v: jnp.stack([d, v.astype(d.dtype)]),
+                      delta, vel)
+  forms, loss = cfg.device_mean(_curvature_forms(
+      cfg.tagged(params), params, batch, dirs, a.curvature))
+  forms = forms.astype(dtype)
+  gram = jnp.array([[_tree_dot(delta, delta), _tree_dot(delta, vel)],
+                    [_tree_dot(vel, delta), _tree_dot(vel, vel)]], dtype)
+  b = jnp.array([_tree_dot(grads, delta), _tree_dot(grads, vel)], dtype)
+  q_undamped = forms + a.l2_reg * gram
+  coeffs = quadratic_model_step(q_undamped + lam * gram, b,
+                                use_momentum=(~first) & a.use_momentum,
+                                max_momentum=a.max_momentum)
+  alpha, mu = coeffs[0], coeffs[1]
+  step = jax.tree.map(
+      lambda d, v: (alpha * d + mu * v.astype(d.dtype)).astype(d.dtype),
+      delta, vel)
+  model_change = 0.5 * coeffs @ q_undamped @ coeffs + coeffs @ b
+  return step, coeffs, model_change, loss
+
+
+def _adapt(cfg: _Optimizer, params, batch, loss, model_change, operand):
+  """Levenberg–Marquardt (module doc, 2.): ``(λ, step)`` -> the new ``λ``,
+  ``ρ`` and the step (zero if the new loss is not finite)."""
+  a = cfg.adaptation
+  lam, step = operand
+  dtype = lam.dtype
+  new_loss = cfg.device_mean(cfg.value(optax.apply_updates(params, step),
+                                       batch))
+  # ρ = actual / predicted reduction. A step the model predicts no
+  # reduction for (a skipped one) leaves λ alone; a non-finite or
+  # negative ρ raises it (M&G §6.5), and a non-finite new loss also
+  # rejects the step.
+  rho = reduction_ratio(new_loss, loss, model_change).astype(dtype)
+  omega = a.damping_decay ** a.interval
+  new_lam = levenberg_marquardt(lam, rho, omega, a.min_damping, a.max_damping)
+  moved = (model_change < 0) | ~jnp.isfinite(new_loss)
+  step = jax.tree.map(lambda s: jnp.where(jnp.isfinite(new_loss), s,
+                                          jnp.zeros_like(s)), step)
+  return jnp.where(moved, new_lam, lam), rho, step

@@ -1,5 +1,11 @@
 """Curvature factors: immutable pytrees and the pure functions over them.
 
+The math core (layer 0). Owns ``FactorState`` and the functions on it,
+the damped inverses built from matrix products (``_inverse``), the packing
+of many small leaves into few reductions (``_packing``) and the one
+"at least float32" dtype rule (``float_dtype``). May import: jax only;
+no other layer of the library.
+
 A factor is a running estimate of a symmetric positive semi-definite matrix
 ``C`` (``[..., n, n]``) or of its diagonal (``[..., n]``); the leading ``...``
 are batch axes (one factor per convolution feature group, say). It is held
@@ -44,12 +50,15 @@ import jax.numpy as jnp
 from jax.scipy import linalg as jsl
 from jax.typing import ArrayLike
 
-from kfac_jax_lite import _inverse
-from kfac_jax_lite import _packing
+from kfac_jax_lite.factor import _inverse
+from kfac_jax_lite.factor import _packing
+from kfac_jax_lite.factor._dtypes import float_dtype as float_dtype
+from kfac_jax_lite.factor._packing import pack as pack
 
 __all__ = [
     "AUTO_DEFAULT", "AUTO_METHODS", "CACHE_KINDS", "FactorCache",
     "FactorState", "INVERSES", "INVERSE_METHODS", "all_finite", "cache_kind",
+    "float_dtype", "pack",
     "check_inverse_method", "damped_cholesky", "damped_matpower", "eigh",
     "factor_value", "init_factor", "is_diagonal", "multiply",
     "multiply_inverse", "multiply_matpower", "refresh_cache", "update_cov",

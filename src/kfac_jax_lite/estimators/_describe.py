@@ -6,8 +6,10 @@ from typing import Any
 
 import chex
 
-from kfac_jax_lite import _first_step
 from kfac_jax_lite import blocks as B
+from kfac_jax_lite import tagging
+from kfac_jax_lite.estimators import _first_step
+from kfac_jax_lite.estimators._checks import check_estimation, check_has_loss
 
 
 class Row(dict):
@@ -90,7 +92,6 @@ def loss_lines(tagged):
   model outputs come from; the loss's terms not recognised; with no loss,
   what that leaves for each estimation and which batch leaves the empirical
   estimation takes as examples."""
-  from kfac_jax_lite.tagging import _losses
   lines = []
   if not tagged.losses:
     lines.append(
@@ -100,7 +101,7 @@ def loss_lines(tagged):
         "(value_grad_and_stats when built, kfl.kfac at tx.init): compute the "
         "loss with kfl.softmax_cross_entropy_with_integer_labels, "
         "kfl.squared_error, … (or optax's, which are recognised) to use them")
-  for t, layers in zip(tagged.losses, _losses.output_layers(tagged)):
+  for t, layers in zip(tagged.losses, tagging.output_layers(tagged)):
     src = f" of {', '.join(layers)}" if layers else ""
     if t.recognised is None:
       lines.append(f"loss: {type(t.distribution).__name__} (registered), "
@@ -154,17 +155,13 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   ``kfl.kfac`` raises at ``tx.init``). ``estimation``: when given,
   a ``ValueError`` if ``kfl.kfac`` with it would refuse this loss (as
   ``kfl.value_grad_and_stats`` does when built)."""
-  from kfac_jax_lite import _block_policy  # Above tagging: at call time.
-  from kfac_jax_lite import estimators
-  from kfac_jax_lite.tagging._tagged import find_layers
-  tagged = find_layers(loss_fn, params, batch, has_aux=has_aux,
+  tagged = tagging.find_layers(loss_fn, params, batch, has_aux=has_aux,
                        exclude=exclude, example_axis=example_axis)
   if estimation is not None:
-    estimators.check_estimation(estimation)
-    estimators.check_has_loss(tagged, estimation, "kfl.describe")
-  tagged = _block_policy.with_blocks(tagged, blocks,
-                                     damping_mode=damping_mode,
-                                     weight_sharing=weight_sharing)
+    check_estimation(estimation)
+    check_has_loss(tagged, estimation, "kfl.describe")
+  tagged = tagged.with_blocks(blocks, damping_mode=damping_mode,
+                              weight_sharing=weight_sharing)
   table = rows(tagged)
   table.first_step = _first_step.refusal(
       tagged, params, batch,

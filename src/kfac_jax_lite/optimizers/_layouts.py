@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import jax
 
-from kfac_jax_lite import _sharded_step
-from kfac_jax_lite import sharding
+from kfac_jax_lite.optimizers import _sharded_step
+from kfac_jax_lite.optimizers import sharding
 from kfac_jax_lite.blocks import base as blocks_base
 
 LAYOUTS = ("replicated", "sharded")

@@ -11,15 +11,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 import optax
 
-from kfac_jax_lite import _packing
+from kfac_jax_lite import factor as _factor
 from kfac_jax_lite import factor as fac
 
 
 def inner_product(updates, grad_leaves, dtype):
   """``⟨u, g⟩`` over all leaves, in ``dtype`` (the small leaves packed
   into few kernels, ``_packing``, then ``optax.tree_utils.tree_vdot``)."""
-  us = _packing.pack([u.astype(dtype) for u in updates])
-  gs = _packing.pack([g.astype(dtype) for g in grad_leaves])
+  us = _factor.pack([u.astype(dtype) for u in updates])
+  gs = _factor.pack([g.astype(dtype) for g in grad_leaves])
   return jnp.asarray(optax.tree_utils.tree_vdot(us, gs), dtype)
 
 

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax_lite import _dtypes
+from kfac_jax_lite.factor import float_dtype
 
 
 class PredictiveDistribution:
@@ -73,7 +73,7 @@ class PredictiveDistribution:
 def at_least_f32(x):
   """``x`` as a float of at least 32 bits (float64 stays float64)."""
   x = jnp.asarray(x)
-  return x.astype(_dtypes.float_dtype(x))
+  return x.astype(float_dtype(x))
 
 
 def psd_sqrt(hessian):

@@ -25,7 +25,11 @@ GROUP = 1 << 16
 
 
 def pack(arrays):
-  """``arrays`` (one dtype) as a list of arrays with the same elements."""
+  """``arrays`` (one dtype) as a list of arrays with the same elements:
+  arrays of at least ``SMALL`` elements as they are, the smaller ones
+  raveled and concatenated in groups of at most ``GROUP`` elements, so that
+  a reduction over all of them (a sum, an inner product, a finiteness
+  check) runs as a few kernels instead of one per leaf."""
   out, group, size = [], [], 0
   for x in arrays:
     if x.size >= SMALL:

@@ -26,11 +26,11 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
-from kfac_jax_lite import _health_state
 from kfac_jax_lite import factor as fac
-from kfac_jax_lite import optimizer
-from kfac_jax_lite import sharding
-from kfac_jax_lite import transform
+from kfac_jax_lite.optimizers import _health_state
+from kfac_jax_lite.optimizers import optimizer
+from kfac_jax_lite.optimizers import sharding
+from kfac_jax_lite.optimizers import transform
 
 
 # A run whose parameter norm grew more than this many times since its first
