@@ -216,18 +216,22 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       ``"keep"`` (SOAP's; it stays with its column) or ``"project"`` (the
       diagonal of its matrix in the new basis); the first moment is always
       rotated.
-    cov_decay, cov_every, estimation, num_samples, stats_fraction, blocks,
-      exclude, weight_sharing, axis_name, has_aux, seed, example_axis: how
-      the curvature is estimated and kept, as in ``kfl.kfac``
-      (``kfl.CurvatureOptions`` documents each). Here ``cov_every`` also
-      spares ``"shampoo"``'s statistics; with ``"kfac"`` the sampled
-      backward pass and the factors' products (on the MNIST autoencoder
-      together more than the rotations) are then paid once in
-      ``cov_every`` updates. ``estimation`` matters for ``basis="kfac"``
-      only; ``blocks`` may turn a layer's Kronecker block into another
-      kind, which then gets plain Adam; ``axis_name`` averages the
-      statistics (and, for ``"shampoo"``, the gradients they are formed
-      from), so every device computes the same bases.
+    estimation: ``kfl.CurvatureOptions.estimation`` (``basis="kfac"``).
+    num_samples: ``kfl.CurvatureOptions.num_samples``.
+    cov_decay: ``kfl.CurvatureOptions.cov_decay``.
+    cov_every: ``kfl.CurvatureOptions.cov_every``; here it also spares
+      ``"shampoo"``'s statistics, and with ``"kfac"`` the sampled pass and
+      the factors' products are paid once in ``cov_every`` updates.
+    stats_fraction: ``kfl.CurvatureOptions.stats_fraction``.
+    blocks: ``kfl.CurvatureOptions.blocks``; a layer whose block is not
+      Kronecker gets plain Adam.
+    exclude: ``kfl.CurvatureOptions.exclude``.
+    weight_sharing: ``kfl.CurvatureOptions.weight_sharing``.
+    axis_name: ``kfl.CurvatureOptions.axis_name``; with ``"shampoo"`` the
+      gradients its statistics are formed from are averaged too.
+    has_aux: ``kfl.CurvatureOptions.has_aux``.
+    example_axis: ``kfl.CurvatureOptions.example_axis``.
+    seed: ``kfl.CurvatureOptions.seed``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``: ``init(params)`` and

@@ -237,6 +237,12 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       step, state = opt.update(grads, state, params, batch=batch)
       params = optax.apply_updates(params, step)   # no learning rate
 
+  It takes ``kfl.kfac``'s arguments (``kfl.CurvatureOptions``,
+  ``kfl.PreconditionerOptions``) but ``damping``, which it adapts from
+  ``initial_damping``, and ``mesh``: the quadratic model averages over
+  ``axis_name``, so call it inside ``shard_map``/``pmap``
+  (``layout="sharded"`` works there).
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
       ``has_aux``), computed with a registered loss
@@ -269,17 +275,26 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       ``μ`` along the previous update (else ``μ = 0``).
     max_momentum: ``μ`` is kept in ``[0, max_momentum]`` (and ``α``
       re-minimised for the clipped ``μ``); in ``[0, 1)``.
-    estimation, num_samples, cov_decay, cov_every, stats_fraction, blocks,
-      exclude, weight_sharing, example_axis, has_aux, axis_name, seed: how
-      the curvature is estimated and kept, as in ``kfl.kfac``
-      (``kfl.CurvatureOptions`` documents each).
-    inverse_every, damping_mode, precon_power, norm_constraint,
-      inverse_method, layout, gather: the preconditioner's, as in
-      ``kfl.kfac`` (``kfl.PreconditionerOptions``), but ``norm_constraint``
-      defaults to None here (the quadratic model chooses the step's size)
-      and there is no ``damping`` (this optimizer adapts it) and no ``mesh``
-      (the quadratic model averages over ``axis_name``: call it inside
-      ``shard_map``/``pmap``; ``layout="sharded"`` works there).
+    estimation: ``kfl.CurvatureOptions.estimation``.
+    num_samples: ``kfl.CurvatureOptions.num_samples``.
+    cov_decay: ``kfl.CurvatureOptions.cov_decay``.
+    cov_every: ``kfl.CurvatureOptions.cov_every``.
+    stats_fraction: ``kfl.CurvatureOptions.stats_fraction``.
+    blocks: ``kfl.CurvatureOptions.blocks``.
+    exclude: ``kfl.CurvatureOptions.exclude``.
+    weight_sharing: ``kfl.CurvatureOptions.weight_sharing``.
+    axis_name: ``kfl.CurvatureOptions.axis_name``.
+    has_aux: ``kfl.CurvatureOptions.has_aux``.
+    example_axis: ``kfl.CurvatureOptions.example_axis``.
+    seed: ``kfl.CurvatureOptions.seed``.
+    inverse_every: ``kfl.PreconditionerOptions.inverse_every``.
+    damping_mode: ``kfl.PreconditionerOptions.damping_mode``.
+    precon_power: ``kfl.PreconditionerOptions.precon_power``.
+    norm_constraint: ``kfl.PreconditionerOptions.norm_constraint``, but
+      None by default here: the quadratic model chooses the step's size.
+    inverse_method: ``kfl.PreconditionerOptions.inverse_method``.
+    layout: ``kfl.PreconditionerOptions.layout``.
+    gather: ``kfl.PreconditionerOptions.gather``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(grads,

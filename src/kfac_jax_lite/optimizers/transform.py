@@ -130,6 +130,11 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
                                  loss=est.loss)  # loss: for kfl.health
       # or: tx.update(grads, state, params, batch=batch)  (its own pass)
 
+  Every argument but ``loss_fn`` and ``example_batch`` is documented
+  once, in the options record it fills: ``kfl.PreconditionerOptions`` and
+  ``kfl.CurvatureOptions`` (shared with ``kfl.kfac_optimizer`` and
+  ``kfl.eigen_adam``).
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
       ``has_aux``), a scalar; every estimation but ``"empirical"`` needs a
@@ -140,14 +145,27 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     example_batch: a batch (arrays or ``jax.ShapeDtypeStruct``s), only
       traced (at ``init``) to find the layers; later batches may have any
       batch size but the same structure.
-    damping, inverse_every, damping_mode, precon_power, norm_constraint,
-      inverse_method, layout, mesh, gather: how the factors become the
-      preconditioned update; ``kfl.PreconditionerOptions`` documents each.
-    estimation, num_samples, cov_decay, cov_every, stats_fraction, blocks,
-      exclude, weight_sharing, axis_name, has_aux, example_axis, seed: how
-      the curvature is estimated and kept (shared with
-      ``kfl.kfac_optimizer`` and ``kfl.eigen_adam``);
-      ``kfl.CurvatureOptions`` documents each.
+    damping: ``kfl.PreconditionerOptions.damping``.
+    inverse_every: ``kfl.PreconditionerOptions.inverse_every``.
+    damping_mode: ``kfl.PreconditionerOptions.damping_mode``.
+    precon_power: ``kfl.PreconditionerOptions.precon_power``.
+    norm_constraint: ``kfl.PreconditionerOptions.norm_constraint``.
+    inverse_method: ``kfl.PreconditionerOptions.inverse_method``.
+    layout: ``kfl.PreconditionerOptions.layout``.
+    mesh: ``kfl.PreconditionerOptions.mesh``.
+    gather: ``kfl.PreconditionerOptions.gather``.
+    estimation: ``kfl.CurvatureOptions.estimation``.
+    num_samples: ``kfl.CurvatureOptions.num_samples``.
+    cov_decay: ``kfl.CurvatureOptions.cov_decay``.
+    cov_every: ``kfl.CurvatureOptions.cov_every``.
+    stats_fraction: ``kfl.CurvatureOptions.stats_fraction``.
+    blocks: ``kfl.CurvatureOptions.blocks``.
+    exclude: ``kfl.CurvatureOptions.exclude``.
+    weight_sharing: ``kfl.CurvatureOptions.weight_sharing``.
+    axis_name: ``kfl.CurvatureOptions.axis_name``.
+    has_aux: ``kfl.CurvatureOptions.has_aux``.
+    example_axis: ``kfl.CurvatureOptions.example_axis``.
+    seed: ``kfl.CurvatureOptions.seed``.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``: ``init(params)`` and
