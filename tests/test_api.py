@@ -13,7 +13,7 @@ SRC = pathlib.Path(kfl.__file__).parent
 
 TOP_LEVEL = {
     "kfac", "KfacState", "kfac_optimizer", "KfacOptimizerState",
-    "eigen_adam", "EigenAdamState",
+    "eigen_adam", "EigenAdamState", "CurvatureOptions", "PreconditionerOptions",
     "value_grad_and_stats", "stats_due", "Estimate", "ESTIMATIONS",
     "describe", "health", "Health",
     "PredictiveDistribution", "gaussian_nll", "l2_loss", "registered_loss",
