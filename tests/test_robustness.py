@@ -296,11 +296,13 @@ def test_readme_recipe_trains_above_lr_001(lr):
 # --- defaults ------------------------------------------------------------------------
 
 def readme_defaults():
-  """``{name: value}`` from the README's table of ``kfl.kfac`` defaults."""
-  path = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+  """``{name: value}`` from the table of ``kfl.kfac`` defaults (the site's
+  ``docs/defaults.md``, which the README links to)."""
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "docs",
+                      "defaults.md")
   with open(path, encoding="utf-8") as f:
     text = f.read()
-  section = text.split("## Defaults", 1)[1].split("\n## ", 1)[0]
+  section = text.split("\n## ", 1)[0]
   rows = re.findall(r"^\| `(\w+)` \| `([^`]+)` \|", section, re.M)
   return {name: eval(value, {"None": None}) for name, value in rows}  # noqa: S307
 
