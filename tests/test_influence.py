@@ -155,6 +155,42 @@ def test_precondition_matches_the_factored_scores():
     np.testing.assert_allclose(got, want, rtol=1e-10)
 
 
+def conv_loss(params, batch):
+  x, y = batch
+  h = jax.lax.conv_general_dilated(x, params["k"], (1, 1), "VALID",
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  h = jnp.tanh(h + params["c"]).reshape(x.shape[0], -1)
+  return jnp.mean(kfl.softmax_cross_entropy_with_integer_labels(
+      h @ params["w"] + params["b"], y))
+
+
+def test_conv_scores_equal_dense_per_example_gradients():
+  # A 3x3 conv (9 locations per example) then a dense layer: the factored
+  # scores (Σ_r over locations) against dense per-example gradients and
+  # the params-shaped preconditioner, float64.
+  with x64_mode(True):
+    rng = np.random.default_rng(1)
+    params = {"k": rng.normal(size=(3, 3, 1, 2)), "c": rng.normal(size=2),
+              "w": rng.normal(size=(18, C)) * .3, "b": np.zeros(C)}
+    params = jax.tree.map(jnp.asarray, params)
+    x, y = jnp.asarray(rng.normal(size=(12, 5, 5, 1))), jnp.asarray(
+        rng.integers(0, C, 12))
+    state = kfl.influence.fit(conv_loss, params, [(x, y)], strategy="ekfac",
+                              estimation="empirical", progress=False)
+    one = lambda p, xi, yi: conv_loss(p, (xi[None], yi[None]))
+    per_ex = jax.vmap(jax.grad(one), (None, 0, 0))(params, x, y)
+    pre = jax.vmap(lambda g: kfl.influence.precondition(state, g))(
+        jax.tree.map(lambda g: g[:2], per_ex))
+    want = sum(jnp.einsum("q...,n...->qn", pre[k], per_ex[k])
+               for k in params)
+    got = kfl.influence.pairwise_scores(state, params, (x[:2], y[:2]),
+                                        [(x, y)], progress=False)
+    np.testing.assert_allclose(got, want, rtol=1e-10)
+    self_got = kfl.influence.self_scores(state, params, [(x, y)],
+                                         progress=False)
+    np.testing.assert_allclose(self_got[:2], jnp.diag(want), rtol=1e-10)
+
+
 def test_streaming_equals_one_batch():
   with x64_mode(True):
     params, (x, y), state = fitted("ekfac", True)
@@ -227,3 +263,40 @@ def test_refusals():
   with pytest.raises(ValueError, match="no registered or recognised loss"):
     kfl.influence.fit(lambda p, b: jnp.sum(mlp(p, b[0]) ** 3), params,
                       [batch], progress=False)
+
+
+def test_self_influence_finds_flipped_digit_labels():
+  # scikit-learn digits (1797), 10% of the labels flipped to another class,
+  # a 64-32-10 MLP trained 300 full-batch Adam steps (it fits 92% of the
+  # noisy labels). EK-FAC self-influence puts 91.1% of the flipped
+  # examples in its top 10% (measured; K-FAC and identity were 91% and
+  # 88% with batches of 512; chance 10%): the floor is 75%.
+  optax = pytest.importorskip("optax")
+  datasets = pytest.importorskip("sklearn.datasets")
+  x, y = datasets.load_digits(return_X_y=True)
+  x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
+  rng = np.random.default_rng(0)
+  n = len(x)
+  flip = rng.choice(n, n // 10, replace=False)
+  y[flip] = (y[flip] + rng.integers(1, 10, len(flip))) % 10
+  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+  params = {"w1": jax.random.normal(k1, (64, 32)) / 8, "b1": jnp.zeros(32),
+            "w2": jax.random.normal(k2, (32, 10)) / 6, "b2": jnp.zeros(10)}
+  batch = (jnp.asarray(x), jnp.asarray(y))
+  opt = optax.adam(1e-2)
+
+  @jax.jit
+  def train(p):
+    def body(c, _):
+      p, s = c
+      u, s = opt.update(jax.grad(loss_fn)(p, batch), s, p)
+      return (optax.apply_updates(p, u), s), None
+    return jax.lax.scan(body, (p, opt.init(p)), None, 300)[0][0]
+  params = train(params)
+  batches = [(batch[0][i:i + 599], batch[1][i:i + 599])
+             for i in range(0, n, 599)]
+  state = kfl.influence.fit(loss_fn, params, batches, progress=False)
+  scores = np.asarray(kfl.influence.self_scores(state, params, batches,
+                                                progress=False))
+  found = np.isin(np.argsort(-scores)[:n // 10], flip).mean()
+  assert found > 0.75, found
