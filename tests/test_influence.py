@@ -5,6 +5,7 @@ gradients from ``jax.vmap(jax.grad)`` of the per-example loss, the
 curvature as a dense matrix from them, and the scores by a dense solve.
 """
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -300,3 +301,63 @@ def test_self_influence_finds_flipped_digit_labels():
                                                 progress=False))
   found = np.isin(np.argsort(-scores)[:n // 10], flip).mean()
   assert found > 0.75, found
+
+
+def _sharded_worker():
+  """Fit and scores on batches sharded over 4 CPU devices against the
+  same on one device; whether the factor step's program all-reduces."""
+  import json
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  from kfac_jax_lite.influence import _fit
+  params, (x, y) = setup(jnp.float64)
+  mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+  shard = NamedSharding(mesh, PartitionSpec("data"))
+  parts = [(x[i:i + 12], y[i:i + 12]) for i in (0, 12)]
+  sharded = [jax.device_put(b, shard) for b in parts]
+  out = {}
+  for name, batches in (("one", parts), ("sharded", sharded)):
+    st = kfl.influence.fit(loss_fn, params, batches, progress=False)
+    out[name] = {
+        "eigvals": {k: np.asarray(v).tolist() for k, v in st.eigvals.items()},
+        "pairwise": np.asarray(kfl.influence.pairwise_scores(
+            st, params, (x[:3], y[:3]), batches, progress=False)).tolist(),
+        "self": np.asarray(kfl.influence.self_scores(
+            st, params, batches, progress=False)).tolist()}
+  step = jax.jit(_fit._factor_step(st.tagged, "fisher"))
+  hlo = step.lower(params, sharded[0], jax.random.PRNGKey(0)).compile()
+  out["all_reduce"] = "all-reduce" in hlo.as_text()
+  print("RESULT " + json.dumps(out))
+
+
+def test_fit_on_sharded_batches_splits_across_devices():
+  import json
+  import os
+  import subprocess
+  import sys
+  here = os.path.dirname(os.path.abspath(__file__))
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env.update(XLA_FLAGS=" ".join(
+      flags + ["--xla_force_host_platform_device_count=4"]),
+             JAX_PLATFORMS="cpu", JAX_ENABLE_X64="1",
+             PYTHONPATH=os.pathsep.join([
+                 os.path.join(here, os.pardir, "src"), here,
+                 env.get("PYTHONPATH", "")]))
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__),
+                         "sharded"], env=env, capture_output=True, text=True,
+                        timeout=300)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  assert lines, proc.stderr[-3000:]
+  r = json.loads(lines[-1][len("RESULT "):])
+  assert r["all_reduce"]  # the sums over examples cross the devices
+  for k in r["one"]["eigvals"]:
+    np.testing.assert_allclose(r["sharded"]["eigvals"][k],
+                               r["one"]["eigvals"][k], rtol=1e-10,
+                               atol=1e-14)
+  for k in ("pairwise", "self"):
+    np.testing.assert_allclose(r["sharded"][k], r["one"][k], rtol=1e-10)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["sharded"]:
+  _sharded_worker()

@@ -65,6 +65,13 @@ def fit(loss_fn, params, batches, *, strategy="ekfac", estimation="fisher",
   and, for ``"ekfac"``, ``2·B·R·(a² + b²)`` for the rotations plus
   ``B·a·b`` (``R = 1``) or ``2·B·R·a·b`` for the squares.
 
+  Sharding: give batches placed over a device mesh along their example
+  axis (``jax.device_put(batch, NamedSharding(mesh, P("data")))``, the
+  parameters replicated). Every per-batch step (and every score) is
+  jitted, so XLA splits the batch's forward and backward passes and the
+  factors' products across the devices and all-reduces the sums: the fit
+  is that of one device, split (``tests/test_influence.py`` checks both).
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` with a registered or
       recognised loss (``kfl.softmax_cross_entropy`` ...), any reduction
