@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import sys
 import tempfile
 import time
 
@@ -73,10 +72,11 @@ try:
   from kronfluence.analyzer import Analyzer, prepare_model
   from kronfluence.arguments import FactorArguments, ScoreArguments
   from kronfluence.task import Task
-except ImportError as e:  # pragma: no cover
-  print(f"kronfluence (or torch) is not importable ({e}); install it in a "
-        "separate virtualenv: pip install kronfluence")
-  sys.exit(0)
+  MISSING = None
+except ImportError as e:  # torch is not this library's dependency.
+  torch = F = Analyzer = prepare_model = FactorArguments = ScoreArguments = None
+  Task = object
+  MISSING = str(e)
 
 import jax
 import jax.numpy as jnp
@@ -144,34 +144,35 @@ def masked_mlp_loss(mask):
   return loss_fn
 
 
-class TorchMLP(torch.nn.Module):
-  def __init__(self, p):
-    super().__init__()
-    d_in, hidden = p["w1"].shape
-    dt = _torch_dtype(p["w1"])
-    self.fc1 = torch.nn.Linear(d_in, hidden, dtype=dt)
-    self.fc2 = torch.nn.Linear(hidden, 10, dtype=dt)
-    _copy(self.fc1, p["w1"], p["b1"])
-    _copy(self.fc2, p["w2"], p["b2"])
+if torch is not None:  # The PyTorch twins.
+  class TorchMLP(torch.nn.Module):
+    def __init__(self, p):
+      super().__init__()
+      d_in, hidden = p["w1"].shape
+      dt = _torch_dtype(p["w1"])
+      self.fc1 = torch.nn.Linear(d_in, hidden, dtype=dt)
+      self.fc2 = torch.nn.Linear(hidden, 10, dtype=dt)
+      _copy(self.fc1, p["w1"], p["b1"])
+      _copy(self.fc2, p["w2"], p["b2"])
 
-  def forward(self, x):
-    return self.fc2(torch.tanh(self.fc1(x.flatten(1))))
+    def forward(self, x):
+      return self.fc2(torch.tanh(self.fc1(x.flatten(1))))
 
 
-class TorchConv(torch.nn.Module):
-  def __init__(self, p):
-    super().__init__()
-    dt = _torch_dtype(p["k"])
-    self.conv = torch.nn.Conv2d(1, 4, 3, dtype=dt)
-    self.fc = torch.nn.Linear(144, 10, dtype=dt)
-    with torch.no_grad():
-      self.conv.weight.copy_(torch.from_numpy(
-          np.asarray(p["k"]).transpose(3, 2, 0, 1).copy()))
-      self.conv.bias.copy_(torch.from_numpy(np.asarray(p["c"])))
-    _copy(self.fc, p["w"], p["b"])
+  class TorchConv(torch.nn.Module):
+    def __init__(self, p):
+      super().__init__()
+      dt = _torch_dtype(p["k"])
+      self.conv = torch.nn.Conv2d(1, 4, 3, dtype=dt)
+      self.fc = torch.nn.Linear(144, 10, dtype=dt)
+      with torch.no_grad():
+        self.conv.weight.copy_(torch.from_numpy(
+            np.asarray(p["k"]).transpose(3, 2, 0, 1).copy()))
+        self.conv.bias.copy_(torch.from_numpy(np.asarray(p["c"])))
+      _copy(self.fc, p["w"], p["b"])
 
-  def forward(self, x):
-    return self.fc(torch.tanh(self.conv(x[:, None])).flatten(1))
+    def forward(self, x):
+      return self.fc(torch.tanh(self.conv(x[:, None])).flatten(1))
 
 
 def _torch_dtype(x):
@@ -375,7 +376,11 @@ def speed(images, n_train, n_query):
     print(f"{name:28} {f:8.2f} {s:9.2f} {f + s:8.2f}")
 
 
-def main():
+def main(argv=None):
+  if MISSING is not None:
+    print(f"kronfluence (or torch) is not importable ({MISSING}); install "
+          "it in a separate virtualenv: pip install kronfluence")
+    return None
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--digits", action="store_true",
@@ -383,7 +388,7 @@ def main():
   ap.add_argument("--mnist", default=None, help="a local mnist .pkl.gz/wheel")
   ap.add_argument("--halves", type=int, default=64)
   ap.add_argument("--skip", default="", help="parts to skip, e.g. 2,3")
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   print(f"kronfluence compare: jax {jax.__version__}, torch "
         f"{torch.__version__}, kronfluence "
         f"{__import__('kronfluence').__version__}, {platform.processor() or platform.machine()}, "
