@@ -59,6 +59,16 @@ def _precondition_mats(state, mats, lam):
   return out
 
 
+def _arrays(state):
+  """The fitted arrays of ``state`` (jit arguments, not constants)."""
+  return state.eigvecs_a, state.eigvecs_g, state.eigvals
+
+
+def _with_arrays(state, arrays):
+  a, g, s = arrays
+  return state._replace(eigvecs_a=a, eigvecs_g=g, eigvals=s)
+
+
 def precondition(state: _fit.InfluenceState, grads, *, damping=None,
                  damping_fraction=0.1):
   """``(Ĝ + λI)⁻¹ v`` for a params-shaped ``grads`` (one vector), the
@@ -126,8 +136,12 @@ def pairwise_scores(state: _fit.InfluenceState, params, queries,
   """
   tagged = state.tagged
   lam = layer_damping(state, damping, damping_fraction)
-  pre = jax.jit(lambda p, q, lam: _precondition_mats(
-      state, _query_mats(state, p, q, measurement), lam))(params, queries, lam)
+
+  @jax.jit
+  def preconditioned(p, q, lam, arrays):
+    st = _with_arrays(state, arrays)
+    return _precondition_mats(st, _query_mats(st, p, q, measurement), lam)
+  pre = preconditioned(params, queries, lam, _arrays(state))
 
   @jax.jit
   def score(p, batch, pre):
@@ -154,15 +168,16 @@ def self_scores(state: _fit.InfluenceState, params, train_batches, *,
   lam = layer_damping(state, damping, damping_fraction)
 
   @jax.jit
-  def score(p, batch, lam):
+  def score(p, batch, lam, arrays):
+    st = _with_arrays(state, arrays)
     data, _, _ = _data.example_data(tagged, p, batch, None, "empirical")
     total = 0.0
     for k, (a, g) in data.items():
       if state.strategy in ("kfac", "ekfac"):
-        a = jnp.einsum("nrgi,gij->nrgj", a, state.eigvecs_a[k])
-        g = jnp.einsum("nrgi,gij->nrgj", g, state.eigvecs_g[k])
+        a = jnp.einsum("nrgi,gij->nrgj", a, st.eigvecs_a[k])
+        g = jnp.einsum("nrgi,gij->nrgj", g, st.eigvecs_g[k])
       inv = (1.0 if state.strategy == "identity"
-             else 1 / (state.eigvals[k] + lam[k]))
+             else 1 / (st.eigvals[k] + lam[k]))
       if a.shape[1] == 1:
         w = jnp.ones(a.shape[2:3] + (a.shape[-1], g.shape[-1]), a.dtype) * inv
         total = total + jnp.einsum("ngi,gij,ngj->n", a[:, 0] ** 2, w,
@@ -172,5 +187,6 @@ def self_scores(state: _fit.InfluenceState, params, train_batches, *,
         total = total + jnp.einsum("ngij,gij->n", per ** 2,
                                    jnp.broadcast_to(inv, per.shape[1:]))
     return total
-  return jnp.concatenate([score(params, b, lam) for b in
+  arrays = _arrays(state)
+  return jnp.concatenate([score(params, b, lam, arrays) for b in
                           _fit.progress_bar(train_batches, progress)])
