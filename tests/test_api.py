@@ -20,8 +20,8 @@ TOP_LEVEL = {
     "sigmoid_binary_cross_entropy", "softmax_cross_entropy",
     "softmax_cross_entropy_with_integer_labels", "squared_error",
     "FactorState", "update_cov", "damped_matpower", "multiply_inverse",
-    "blocks", "estimators", "factor", "laplace", "losses", "sharding",
-    "tagging",
+    "blocks", "estimators", "factor", "influence", "laplace", "losses",
+    "sharding", "tagging",
 }
 
 # Names that left the top package (issue 10) and the module that owns them.

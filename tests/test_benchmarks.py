@@ -429,3 +429,11 @@ def test_sharded_curvature_owners_and_flops(monkeypatch):
       names=("c", "a", "b"), owners=(1, 0, 0)))  # As kfl.sharding.Layout.
   assert sc.flops_row("sharded", sharded, flops, 2) == (
       flops["a"] + flops["b"], total / 2)
+
+
+def test_kronfluence_compare_says_why_it_skips(capsys):
+  if importlib.util.find_spec("kronfluence") is not None:
+    pytest.skip("kronfluence is importable: the comparison is a benchmark")
+  compare = importlib.import_module("kronfluence_compare")
+  assert compare.main(["--quick"]) is None
+  assert "kronfluence (or torch) is not importable" in capsys.readouterr().out

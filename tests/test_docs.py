@@ -18,8 +18,8 @@ import kfac_jax_lite as kfl
 
 SRC = pathlib.Path(kfl.__file__).parent
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
-PUBLIC_MODULES = ("blocks", "estimators", "factor", "laplace", "losses",
-                  "sharding", "tagging")
+PUBLIC_MODULES = ("blocks", "estimators", "factor", "influence", "laplace",
+                  "losses", "sharding", "tagging")
 
 
 def _public_names():

@@ -31,6 +31,7 @@ LAYERS = {
     "estimators": 3,   # loss, gradient and statistics from one pass; describe
     "optimizers": 4,   # kfac, kfac_optimizer, eigen_adam, sharding, health
     "laplace": 4,      # Laplace posteriors on the same curvature
+    "influence": 4,    # influence functions (EK-FAC) on the same curvature
     "sharding": 5,     # kfl.sharding: the public face of optimizers.sharding
     "demo": 5,         # python -m kfac_jax_lite.demo (uses the public API)
 }

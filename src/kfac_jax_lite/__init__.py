@@ -29,6 +29,7 @@ rest lives in the module that owns it: the factor functions in
 from kfac_jax_lite import blocks as blocks
 from kfac_jax_lite import estimators as estimators
 from kfac_jax_lite import factor as factor
+from kfac_jax_lite import influence as influence
 from kfac_jax_lite import laplace as laplace
 from kfac_jax_lite import losses as losses
 from kfac_jax_lite import tagging as tagging
@@ -92,6 +93,6 @@ __all__ = [
     # low level (docs/design.md)
     "FactorState", "update_cov", "damped_matpower", "multiply_inverse",
     # submodules
-    "blocks", "estimators", "factor", "laplace", "losses", "sharding",
-    "tagging",
+    "blocks", "estimators", "factor", "influence", "laplace", "losses",
+    "sharding", "tagging",
 ]
