@@ -244,7 +244,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
                    max_damping: float = 1e8, damping_decay: float = 19 / 20,
                    damping_adaptation_interval: int = 1, l2_reg: float = 0.0,
                    curvature: str = "ggn", use_momentum: bool = True,
-                   max_momentum: float = 0.99,
+                   max_momentum: float = 0.99, model_fraction: float = 1.0,
                    estimation: str = "fisher", num_samples: int = 1,
                    cov_decay: float = 0.95, cov_every: int = 1,
                    stats_fraction: float = 1.0,
@@ -300,6 +300,14 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       ``μ`` along the previous update (else ``μ = 0``).
     max_momentum: ``μ`` is kept in ``[0, max_momentum]`` (and ``α``
       re-minimised for the clipped ``μ``); in ``[0, 1)``.
+    model_fraction: the share ``f`` in ``(0, 1]`` of each batch the
+      quadratic model sees: its products ``J v``, loss weights and ρ's two
+      losses are computed on the first ``round(f · N)`` examples (the
+      leaves ``kfl.describe`` lists under ``examples:``), as
+      ``stats_fraction`` cuts the statistics' share; the gradient ``g`` in
+      ``b = [gᵀΔ, gᵀδ]`` stays the whole batch's. Martens (2010) took
+      curvature-vector products on 1/100 of the data. 1 (the default):
+      the whole batch, the step as before.
     estimation, num_samples, cov_decay, cov_every, stats_fraction, blocks,
       exclude, weight_sharing, example_axis, has_aux, axis_name, seed: how
       the curvature is estimated and kept, as in ``kfl.kfac``
@@ -328,7 +336,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       max_damping=max_damping, damping_decay=damping_decay,
       interval=damping_adaptation_interval, l2_reg=l2_reg,
       curvature=curvature, use_momentum=use_momentum,
-      max_momentum=max_momentum)
+      max_momentum=max_momentum, model_fraction=model_fraction)
   adaptation.check()
   shared = O.CurvatureOptions(
       estimation=estimation, num_samples=num_samples, cov_decay=cov_decay,
@@ -361,6 +369,7 @@ class Adaptation(NamedTuple):
   curvature: str
   use_momentum: bool
   max_momentum: float
+  model_fraction: float = 1.0
 
   def check(self) -> None:
     """A ``ValueError`` for an option out of its range."""
@@ -379,6 +388,8 @@ class Adaptation(NamedTuple):
     _require(a.l2_reg >= 0, f"l2_reg must be >= 0, got {a.l2_reg!r}")
     _require(0 <= a.max_momentum < 1,
              f"max_momentum must be in [0, 1), got {a.max_momentum!r}")
+    _require(0 < a.model_fraction <= 1,
+             f"model_fraction must be in (0, 1], got {a.model_fraction!r}")
 
 
 class _Optimizer(NamedTuple):
@@ -396,6 +407,17 @@ class _Optimizer(NamedTuple):
     quadratic model and the losses ρ compares are the device means (as the
     statistics)."""
     return jax.lax.pmean(x, self.axis_name) if self.axis_name else x
+
+  def model_batch(self, params, batch):
+    """The detection and the share of ``batch`` the quadratic model sees
+    (``model_fraction``: the first examples; the whole batch at 1)."""
+    tagged = self.tagged(params)
+    f = self.adaptation.model_fraction
+    if f >= 1.0:
+      return tagged, batch
+    sub = estimators.stats_slice(batch, f, "kfac_optimizer(model_fraction)",
+                                 tagged.examples)
+    return self.layers(params, sub), sub
 
   def value(self, params, batch):
     out = self.loss_fn(params, batch)
@@ -446,8 +468,9 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
                                      loss=loss)
   kstate = typing.cast(transform.KfacState, kstate)  # As in _init.
   delta = jax.tree.map(lambda u: -u, precond)
+  tagged, batch = cfg.model_batch(params, batch)
   step, coeffs, model_change, loss = _model_step(
-      cfg, params, batch, updates, delta, state.velocity, lam,
+      cfg, tagged, params, batch, updates, delta, state.velocity, lam,
       first=kstate.count == 1, dtype=dtype)
   new_lam, rho, step = jax.lax.cond(
       kstate.count % a.interval == 0,
@@ -461,16 +484,18 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
   return step, new_state
 
 
-def _model_step(cfg: _Optimizer, params, batch, grads, delta, vel, lam, *,
-                first, dtype):
+def _model_step(cfg: _Optimizer, tagged, params, batch, grads, delta, vel,
+                lam, *, first, dtype):
   """The step ``αΔ + μδ`` minimising the quadratic model (module doc, 1.),
   its coefficients ``[α, μ]``, the model's change without ``λ`` and the
-  batch's loss (from the same linearised pass)."""
+  loss of ``batch`` (the model's share, ``_Optimizer.model_batch``; from
+  the same linearised pass). One linearisation serves both directions:
+  ``J V`` is its linear map ``vmap``-ed over the stacked ``[Δ, δ]``."""
   a = cfg.adaptation
   dirs = jax.tree.map(lambda d, v: jnp.stack([d, v.astype(d.dtype)]),
                       delta, vel)
   forms, loss = cfg.device_mean(_curvature_forms(
-      cfg.tagged(params), params, batch, dirs, a.curvature))
+      tagged, params, batch, dirs, a.curvature))
   forms = forms.astype(dtype)
   gram = jnp.array([[_tree_dot(delta, delta), _tree_dot(delta, vel)],
                     [_tree_dot(vel, delta), _tree_dot(vel, vel)]], dtype)
