@@ -106,9 +106,14 @@ def test_kfac_and_kfac_optimizer_beat_adam_on_the_digits_mlp():
          adam_steps, cap)
   report("digits MLP, kfac_optimizer", opt_steps, adam, adam_steps, cap)
   # Measured: kfac 27 steps (25 unclipped, 38 at norm_constraint=0.1),
-  # kfac_optimizer 54, best Adam 148 (lr 3e-2).
+  # kfac_optimizer 54, best Adam 148 (lr 3e-2). Issue 36 (2026-11-27):
+  # kfac_optimizer 95 against Adam's 142, from initial_damping=1.0 (52 from
+  # 0.1 with the same rejection and rho every step): the start that keeps
+  # a standardised-input MLP at batch 128 from blowing up
+  # (test_optimizer_standardised.py) costs this full-batch problem ~40
+  # steps while lambda comes down; hence 1.4x, not 1.5x.
   assert adam >= 3.0 * kfac_steps, (kfac_steps, adam_steps)
-  assert adam >= 1.5 * opt_steps, (opt_steps, adam_steps)
+  assert adam >= 1.4 * opt_steps, (opt_steps, adam_steps)
 
 
 @pytest.mark.slow

@@ -17,14 +17,16 @@ update:
    ``‖Bᵀ J v‖²`` weighted by the loss weights ``c`` read from the
    backward pass.
 2. **Levenberg–Marquardt damping** (§6.5). Every
-   ``damping_adaptation_interval`` steps (T₁) the reduction ratio
-   ``ρ = (L(θ + step) − L(θ)) / (M(step) − M(0))`` (with ``M`` the
-   quadratic model without ``λ``) updates ``λ ← ωλ`` if ``ρ > ¾`` and
-   ``λ ← λ/ω`` if ``ρ < ¼``, ``ω = damping_decay^{T₁}``, clipped to
-   ``[min_damping, max_damping]``. A non-finite ``ρ`` counts as a bad one
-   (λ rises), and a step whose new loss is not finite is also rejected (a
-   zero update); a step the model predicted no reduction for (e.g. a
-   skipped one) leaves λ as it was.
+   ``damping_adaptation_interval`` steps (T₁, default every step) the
+   reduction ratio ``ρ = (L(θ + step) − L(θ)) / (M(step) − M(0))`` (with
+   ``M`` the quadratic model without ``λ``) updates ``λ ← ωλ`` if
+   ``ρ > ¾`` and ``λ ← λ/ω`` if ``ρ < ¼``, ``ω = damping_decay^{T₁}``,
+   clipped to ``[min_damping, max_damping]``. A non-finite ``ρ`` counts as
+   a bad one (λ rises), and a step with ``ρ < 0`` (its own batch's loss
+   rose, or is not finite) is also rejected (a zero update), as a trust
+   region's acceptance test does (Nocedal & Wright, Alg. 4.1); a step the
+   model predicted no reduction for (e.g. a skipped one) leaves λ as it
+   was.
 
    The floor ``min_damping=1e-5`` is M&G's: their ℓ2 coefficient
    ``η = 1e-5`` is part of the damping (``λ + η``), so the damping never
@@ -34,6 +36,32 @@ update:
    steps, after which a hard patch needs ~50 rises (250 steps) to get back
    to 1e-2. With ``1e-5`` the final loss of those runs was within 1.5× of
    the ``1e-8`` one (``benchmarks/robustness.py``, README "Defaults").
+
+   The start ``initial_damping=1.0`` (it was 0.1, issue 36): ρ is measured
+   on the batch that chose the step, so it cannot see a step that fits
+   that batch at the cost of examples it does not hold. On digits
+   standardised as ``(x - mean) / (std + 1e-3)`` a pixel lit in 7 of 1797
+   images becomes an input of 21; at batch 128 one such image in a batch
+   moved its first-layer row by 2.4 (pre-activation +50 on the other six,
+   other classes), the batch's loss fell as predicted (ρ ≈ 1), and the
+   full-data loss went 0.05 → 0.44, later to 1e34. That happened only
+   while λ was still falling from 0.1 (0.036 at step 35), with the large
+   early gradients; from λ = 1 the same four MLPs (ReLU 64-100-10,
+   64-100-100-10, 64-256-256-10, tanh 64-64-10) all reached a full-data
+   loss below 1e-3 in 200 steps, with λ down to 5e-5 by then
+   (``tests/test_optimizer_standardised.py``). A held-out ρ (the previous
+   step's change on the next batch) was tried instead: it stays near 0.05
+   while the loss falls, so λ climbs to 300 and training stalls.
+
+   ρ on every step (T₁ = 1, it was 5) and the rejection of a step that
+   raised its own batch's loss (issue 36): on the 64-100-100-10 ReLU MLP
+   of that test, from λ = 1, the steps that broke training were steps 34,
+   40, 63 and 72, each raising its own batch's loss (0.24 → 1.34 at step
+   63, α = 1.33), on batches holding an image the network got badly wrong;
+   with ρ read every 5th step none of them was seen, and the full-data
+   loss reached NaN by step 120. With ρ on every step but no rejection it
+   reached 2e31; with both it ends at 0.006 after 200 steps. The price is
+   one forward pass of the batch per step (it was one per 5 steps).
 
 Extra args: ``update(grads, state, params, *, batch, stats=None)`` needs
 the batch, for the quadratic model's products and, without ``stats=``, for
@@ -47,8 +75,8 @@ the one-pass estimate instead, as ``kfl.kfac``'s ``update`` does::
 (``est_fn = kfl.value_grad_and_stats(loss_fn, params, batch, ...)`` with
 the same estimation options). To read the loss at the new parameters it
 evaluates ``loss_fn(params + step, batch)`` itself (one more forward pass
-on T₁-th steps) — no other extra argument is read. The returned update is the whole
-step: apply it with ``optax.apply_updates`` (do not chain a learning rate).
+on T₁-th steps, every step by default) — no other extra argument is read.
+The returned update is the whole step: apply it with ``optax.apply_updates`` (do not chain a learning rate).
 The preconditioner's damping is ``λ + η`` (M&G's γ adaptation is replaced
 by tying γ² to it).
 """
@@ -212,11 +240,11 @@ def _require(ok, message):
 
 
 def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
-                   initial_damping: float = 0.1, min_damping: float = 1e-5,
+                   initial_damping: float = 1.0, min_damping: float = 1e-5,
                    max_damping: float = 1e8, damping_decay: float = 19 / 20,
-                   damping_adaptation_interval: int = 5, l2_reg: float = 0.0,
+                   damping_adaptation_interval: int = 1, l2_reg: float = 0.0,
                    curvature: str = "ggn", use_momentum: bool = True,
-                   max_momentum: float = 0.99,
+                   max_momentum: float = 0.99, model_fraction: float = 1.0,
                    estimation: str = "fisher", num_samples: int = 1,
                    cov_decay: float = 0.95, cov_every: int = 1,
                    stats_fraction: float = 1.0,
@@ -252,7 +280,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     example_batch: a batch (arrays or ``jax.ShapeDtypeStruct``s), only
       traced to find the layers.
     initial_damping: the starting ``λ`` of the Levenberg–Marquardt
-      adaptation; the preconditioner is ``(F̂ + (λ + l2_reg) I)⁻¹``. In π
+      adaptation (1.0: from 0.1 a standardised-input MLP blew up at batch
+      128, module docstring); the preconditioner is ``(F̂ + (λ + l2_reg) I)⁻¹``. In π
       mode (``kfl.kfac``'s default) an adapted ``λ`` reaches the cached
       inverses at their next refresh (``inverse_every``); the quadratic
       model uses the current ``λ`` at every step.
@@ -265,7 +294,9 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       (``T₁``) steps ``λ`` is multiplied by ``ω^{T₁}`` when ``ρ > ¾`` and
       divided by it when ``ρ < ¼``; in ``(0, 1)``.
     damping_adaptation_interval: ``T₁``, a positive int; on those steps the
-      loss is evaluated at the new parameters (one more forward pass).
+      loss is evaluated at the new parameters (one more forward pass) and
+      a step that raised it is rejected. Default 1 (module docstring: the
+      steps that broke a standardised-input MLP were all off the 5th).
     l2_reg: ``η ≥ 0``, an L2 regularisation the loss does not contain,
       added to the quadratic model's curvature (and to the damping).
     curvature: the quadratic model's curvature, ``"ggn"`` (``Jᵀ H J``, the
@@ -275,6 +306,14 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       ``μ`` along the previous update (else ``μ = 0``).
     max_momentum: ``μ`` is kept in ``[0, max_momentum]`` (and ``α``
       re-minimised for the clipped ``μ``); in ``[0, 1)``.
+    model_fraction: the share ``f`` in ``(0, 1]`` of each batch the
+      quadratic model sees: its products ``J v``, loss weights and ρ's two
+      losses are computed on the first ``round(f · N)`` examples (the
+      leaves ``kfl.describe`` lists under ``examples:``), as
+      ``stats_fraction`` cuts the statistics' share; the gradient ``g`` in
+      ``b = [gᵀΔ, gᵀδ]`` stays the whole batch's. Martens (2010) took
+      curvature-vector products on 1/100 of the data. 1 (the default):
+      the whole batch, the step as before.
     estimation: ``kfl.CurvatureOptions.estimation``.
     num_samples: ``kfl.CurvatureOptions.num_samples``.
     cov_decay: ``kfl.CurvatureOptions.cov_decay``.
@@ -312,7 +351,7 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       max_damping=max_damping, damping_decay=damping_decay,
       interval=damping_adaptation_interval, l2_reg=l2_reg,
       curvature=curvature, use_momentum=use_momentum,
-      max_momentum=max_momentum)
+      max_momentum=max_momentum, model_fraction=model_fraction)
   adaptation.check()
   shared = O.CurvatureOptions(
       estimation=estimation, num_samples=num_samples, cov_decay=cov_decay,
@@ -345,6 +384,7 @@ class Adaptation(NamedTuple):
   curvature: str
   use_momentum: bool
   max_momentum: float
+  model_fraction: float = 1.0
 
   def check(self) -> None:
     """A ``ValueError`` for an option out of its range."""
@@ -363,6 +403,8 @@ class Adaptation(NamedTuple):
     _require(a.l2_reg >= 0, f"l2_reg must be >= 0, got {a.l2_reg!r}")
     _require(0 <= a.max_momentum < 1,
              f"max_momentum must be in [0, 1), got {a.max_momentum!r}")
+    _require(0 < a.model_fraction <= 1,
+             f"model_fraction must be in (0, 1], got {a.model_fraction!r}")
 
 
 class _Optimizer(NamedTuple):
@@ -380,6 +422,17 @@ class _Optimizer(NamedTuple):
     quadratic model and the losses ρ compares are the device means (as the
     statistics)."""
     return jax.lax.pmean(x, self.axis_name) if self.axis_name else x
+
+  def model_batch(self, params, batch):
+    """The detection and the share of ``batch`` the quadratic model sees
+    (``model_fraction``: the first examples; the whole batch at 1)."""
+    tagged = self.tagged(params)
+    f = self.adaptation.model_fraction
+    if f >= 1.0:
+      return tagged, batch
+    sub = estimators.stats_slice(batch, f, "kfac_optimizer(model_fraction)",
+                                 tagged.examples)
+    return self.layers(params, sub), sub
 
   def value(self, params, batch):
     out = self.loss_fn(params, batch)
@@ -430,8 +483,9 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
                                      loss=loss)
   kstate = typing.cast(transform.KfacState, kstate)  # As in _init.
   delta = jax.tree.map(lambda u: -u, precond)
+  tagged, batch = cfg.model_batch(params, batch)
   step, coeffs, model_change, loss = _model_step(
-      cfg, params, batch, updates, delta, state.velocity, lam,
+      cfg, tagged, params, batch, updates, delta, state.velocity, lam,
       first=kstate.count == 1, dtype=dtype)
   new_lam, rho, step = jax.lax.cond(
       kstate.count % a.interval == 0,
@@ -445,16 +499,18 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
   return step, new_state
 
 
-def _model_step(cfg: _Optimizer, params, batch, grads, delta, vel, lam, *,
-                first, dtype):
+def _model_step(cfg: _Optimizer, tagged, params, batch, grads, delta, vel,
+                lam, *, first, dtype):
   """The step ``αΔ + μδ`` minimising the quadratic model (module doc, 1.),
   its coefficients ``[α, μ]``, the model's change without ``λ`` and the
-  batch's loss (from the same linearised pass)."""
+  loss of ``batch`` (the model's share, ``_Optimizer.model_batch``; from
+  the same linearised pass). One linearisation serves both directions:
+  ``J V`` is its linear map ``vmap``-ed over the stacked ``[Δ, δ]``."""
   a = cfg.adaptation
   dirs = jax.tree.map(lambda d, v: jnp.stack([d, v.astype(d.dtype)]),
                       delta, vel)
   forms, loss = cfg.device_mean(_curvature_forms(
-      cfg.tagged(params), params, batch, dirs, a.curvature))
+      tagged, params, batch, dirs, a.curvature))
   forms = forms.astype(dtype)
   gram = jnp.array([[_tree_dot(delta, delta), _tree_dot(delta, vel)],
                     [_tree_dot(vel, delta), _tree_dot(vel, vel)]], dtype)
@@ -481,12 +537,12 @@ def _adapt(cfg: _Optimizer, params, batch, loss, model_change, operand):
                                        batch))
   # ρ = actual / predicted reduction. A step the model predicts no
   # reduction for (a skipped one) leaves λ alone; a non-finite or
-  # negative ρ raises it (M&G §6.5), and a non-finite new loss also
-  # rejects the step.
+  # negative ρ raises it (M&G §6.5) and rejects the step (a trust
+  # region's acceptance test: the loss rose on the batch that chose it).
   rho = reduction_ratio(new_loss, loss, model_change).astype(dtype)
   omega = a.damping_decay ** a.interval
   new_lam = levenberg_marquardt(lam, rho, omega, a.min_damping, a.max_damping)
   moved = (model_change < 0) | ~jnp.isfinite(new_loss)
-  step = jax.tree.map(lambda s: jnp.where(jnp.isfinite(new_loss), s,
-                                          jnp.zeros_like(s)), step)
+  keep = jnp.isfinite(new_loss) & ((new_loss <= loss) | (model_change >= 0))
+  step = jax.tree.map(lambda s: jnp.where(keep, s, jnp.zeros_like(s)), step)
   return jnp.where(moved, new_lam, lam), rho, step
