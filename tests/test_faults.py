@@ -301,3 +301,70 @@ def test_a_diverged_run_is_failing_not_recovered():
       steps=50, bad_grads=1, nonfinite_params=30, first_bad=10, last_bad=10)
   assert h.failing and not h.recovered
   assert str(h).startswith("kfac: PROBLEMS")
+
+
+# ------------------------------------------------ kfac_optimizer
+
+@pytest.mark.parametrize("bad", ["label", "nan"])
+def test_kfac_optimizer_skips_a_bad_batch_momentum_and_all(bad):
+  """A label at -1 (finite loss and gradient) or a NaN input: a zero step,
+  velocity and damping kept, counted; the next batch trains."""
+  opt = kfl.kfac_optimizer(loss_fn, BATCH)
+  step = jax.jit(lambda p, s, b: opt.update(jax.grad(loss_fn)(p, b), s, p,
+                                            batch=b))
+  params, state = PARAMS, opt.init(PARAMS)
+  for _ in range(2):
+    u, state = step(params, state, BATCH)
+    params = optax.apply_updates(params, u)
+  before = state
+  batch = (_labels(-1) if bad == "label"
+           else dict(BATCH, x=BATCH["x"].at[0, 0].set(jnp.nan)))
+  u, state = step(params, state, batch)
+  assert _zero(u)
+  for a, b in zip(jax.tree.leaves(state.velocity),
+                  jax.tree.leaves(before.velocity)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert float(state.damping) == float(before.damping)
+  h = kfl.health(state)
+  assert (h.bad_inputs if bad == "label" else h.bad_grads) == 1, str(h)
+  u, state = step(params, state, BATCH)
+  assert not _zero(u) and _finite(u)
+
+
+# ------------------------------------------------ partial recognition
+
+def _gaussian_with_predicted_scale(p, b):
+  """``-Normal(mu, sigma).log_prob(y)`` written out as TFP computes it."""
+  o = b["x"] @ p["w"] + p["b"]
+  mu, sigma = o[:, :1], jax.nn.softplus(o[:, 1:]) + 1e-3
+  z = (b["y"] - mu) / sigma
+  return jnp.mean(0.5 * z ** 2 + jnp.log(sigma) + 0.5 * jnp.log(2 * jnp.pi))
+
+
+def _gaussian_nll(p, b):
+  o = b["x"] @ p["w"] + p["b"]
+  mu, sigma = o[:, :1], jax.nn.softplus(o[:, 1:]) + 1e-3
+  return kfl.gaussian_nll(mu, sigma ** 2, b["y"]).mean()
+
+
+def test_a_gaussian_with_a_predicted_scale_is_refused_naming_gaussian_nll():
+  """Recognised only in part (a variance-1 squared error on (y - mu)/sigma,
+  the log sigma term not): every estimation refuses at build time naming
+  kfl.gaussian_nll, and describe says so; the same model written with
+  kfl.gaussian_nll builds."""
+  rng = np.random.default_rng(1)
+  params = {"w": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32),
+            "b": jnp.zeros(2)}
+  batch = {"x": jnp.asarray(rng.standard_normal((8, 4)), jnp.float32),
+           "y": jnp.asarray(rng.standard_normal((8, 1)), jnp.float32)}
+  text = str(kfl.describe(_gaussian_with_predicted_scale, params, batch))
+  assert "REFUSED" in text and "kfl.gaussian_nll" in text, text
+  for estimation in ("fisher", "empirical"):
+    with pytest.raises(ValueError, match="kfl.gaussian_nll"):
+      kfl.value_grad_and_stats(_gaussian_with_predicted_scale, params, batch,
+                               estimation=estimation)
+    with pytest.raises(ValueError, match="kfl.gaussian_nll"):
+      kfl.kfac(_gaussian_with_predicted_scale, batch,
+               estimation=estimation).init(params)
+  kfl.kfac(_gaussian_nll, batch).init(params)
+  assert "REFUSED" not in str(kfl.describe(_gaussian_nll, params, batch))
