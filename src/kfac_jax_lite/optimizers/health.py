@@ -93,6 +93,23 @@ LOSS_RISE_LIMIT = 2.0
 # PROBLEMS; ``Health.ok`` stays False (something did happen), and
 # ``Health.failing`` is False.
 RECOVERY_STEPS = 10
+# Scale (issue 38, goal 4). The defaults assume a loss of order 1 (a mean
+# over examples of a cross-entropy or a squared error of standardised
+# targets) and layer inputs of order 1 (standardised features, the
+# activations of a usual net): ``damping`` is absolute in the factors'
+# units (π-damping adds π√λ to A and √λ/π to G: inputs x c scale A by c²,
+# so the damping's share of A moves by 1/c), and ``norm_constraint``
+# bounds ⟨u, g⟩, which a loss scaled by s scales by s. Inputs x 1e-6 then
+# stall (the damping swamps A), x 1e6 blow up (it falls below float32's
+# resolution of G), a loss x 1e8 (fp16 loss scaling) stalls under the KL
+# clip, x 1e-8 under the damping. A run is flagged OUT OF SCALE when the
+# first loss seen is outside LOSS_SCALE (by magnitude), or when an input
+# factor's median diagonal (the median second moment of a layer's inputs,
+# the bias's constant 1 among them) is outside INPUT_SCALE. The bounds are
+# 1e4 away from the defaults' scale: at ln 10 = 2.3 a classifier's first
+# loss, 0.1-300 the digits inputs' second moments (pixels 0-16).
+LOSS_SCALE = (1e-4, 1e4)
+INPUT_SCALE = (1e-8, 1e8)
 
 
 class Health(NamedTuple):
@@ -155,6 +172,24 @@ class Health(NamedTuple):
   first_bad: Optional[int] = None
   last_bad: Optional[int] = None
   loss_first: Optional[float] = None
+  input_scale: Optional[tuple] = None
+
+  @property
+  def out_of_scale(self) -> Optional[str]:
+    """Why the run is outside the scale the defaults assume (``LOSS_SCALE``,
+    ``INPUT_SCALE``), or None."""
+    lo, hi = LOSS_SCALE
+    if self.loss_first is not None and self.loss_first != 0 and not (
+        lo <= abs(self.loss_first) <= hi):
+      return (f"first loss {self.loss_first:.3g}: scale damping and "
+              "norm_constraint with the loss, or unscale it")
+    lo, hi = INPUT_SCALE
+    if self.input_scale is not None:
+      small, large = self.input_scale
+      if not (lo <= small and large <= hi):
+        return (f"layer inputs' second moments {small:.3g}-{large:.3g}: "
+                "standardise the inputs, or scale damping with them")
+    return None
 
   @property
   def rose(self) -> bool:
@@ -225,7 +260,7 @@ class Health(NamedTuple):
                 or self.bad_updates or self.skipped_stats
                 or self.failed_inverses or self.unready_blocks
                 or self.blew_up or self.stalled or self.bad_losses
-                or self.bad_inputs or self.rose)
+                or self.bad_inputs or self.rose or self.out_of_scale)
 
   def __str__(self):
     parts = [self._head(), f"{self.steps} steps",
@@ -255,7 +290,9 @@ class Health(NamedTuple):
     part = (f"loss {self.loss_start:.4g} -> {self.loss_recent:.4g} over "
             f"{self.num_losses}")
     return part + (" (STALLED)" if self.stalled else "") + (
-        " (LOSS ROSE)" if self.rose else "")
+        " (LOSS ROSE)" if self.rose else "") + (
+            f" (OUT OF SCALE: {self.out_of_scale})" if self.out_of_scale
+            else "")
 
   __repr__ = __str__
 
@@ -297,6 +334,27 @@ def _guard_view(s):
       num_bad_damping=np.zeros_like(np.asarray(s.num_bad_grads)),
       num_nonfinite_params=s.num_nonfinite_params, health=s.health,
       stats_due=s.stats_due)
+
+
+def _input_scale(found):
+  """``(smallest, largest)`` median diagonal of the input factors (``a``)
+  of the states' blocks, or None (no such factor with statistics)."""
+  medians = []
+  for s in found:
+    blocks = (sharding.unshard_blocks(s.blocks)
+              if isinstance(s.blocks, sharding.ShardedBlocks) else s.blocks)
+    for block in blocks.values():
+      a = getattr(block, "a", None)
+      if not _is_factor(a):
+        continue
+      cov, w = np.asarray(a.cov, np.float64), np.asarray(a.weight, np.float64)
+      if cov.ndim < 2 or cov.shape[-1] != cov.shape[-2] or not np.all(w > 0):
+        continue
+      diag = np.diagonal(cov, axis1=-2, axis2=-1) / w.reshape(
+          w.shape + (1,) * (cov.ndim - 1 - w.ndim))
+      if np.all(np.isfinite(diag)):
+        medians.append(float(np.median(diag)))
+  return (min(medians), max(medians)) if medians else None
 
 
 def _events(found):
@@ -407,7 +465,10 @@ def health(state: optax.OptState,
                 loss_start=course[1], loss_recent=course[2],
                 bad_losses=events[0], bad_inputs=events[1],
                 first_bad=events[2], last_bad=events[3],
-                loss_first=loss_first)
+                loss_first=loss_first,
+                input_scale=_input_scale(
+                    [x.kfac if isinstance(x, optimizer.KfacOptimizerState)
+                     else x for x in found]))
 
 
 def _growth(first, last):
