@@ -42,7 +42,15 @@ non-finite statistics leave the factors as they were (each factor's
 ``num_skipped``); a preconditioned update that is not finite although the
 gradient is (a broken cache) falls back to the raw gradient and counts in
 ``num_bad_updates``; ``num_nonfinite_params`` counts the updates called
-with non-finite parameters (the run has diverged). Factors are kept in
+with non-finite parameters (the run has diverged). A loss seen (``loss=``,
+or the ``Estimate.stats`` run entry, ``estimators.RUN_ENTRY``) that is not
+finite although the gradient is, and a registered or recognised
+classification loss's integer label outside ``[0, classes)``, skip the
+update and leave its statistics out (``health.num_bad_losses``,
+``health.num_bad_inputs``). A state that does not belong to these params
+or this configuration (another ``blocks=``, ``damping_mode=``, layout, a
+checkpoint of another run) is refused at the first update
+(``_restore_check``). Factors are kept in
 the parameters' dtype, at least float32 (``float_dtype``).
 
 Damping reaches the preconditioner one of two ways: π mode (and diagonal
