@@ -368,3 +368,31 @@ def test_a_gaussian_with_a_predicted_scale_is_refused_naming_gaussian_nll():
                estimation=estimation).init(params)
   kfl.kfac(_gaussian_nll, batch).init(params)
   assert "REFUSED" not in str(kfl.describe(_gaussian_nll, params, batch))
+
+
+# ------------------------------------------------ float64
+
+def test_the_guards_in_float64():
+  """The same skips in float64 (the counters do not depend on the
+  dtype; the zero update and the untouched factors must hold exactly)."""
+  from _helpers import x64_mode
+  with x64_mode(True):
+    params, batch = _problem(jnp.float64)
+    tx = kfl.kfac(loss_fn, batch)
+    est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
+    step = jax.jit(lambda p, s, b: tx.update(
+        *(lambda e: (e.grads, s, p))(est_fn(p, b, jax.random.PRNGKey(0))),
+        stats=est_fn(p, b, jax.random.PRNGKey(0)).stats))
+    state = tx.init(params)
+    _, state = step(params, state, batch)
+    before = state.blocks
+    for bad in (dict(batch, y=batch["y"].at[0].set(-1)),
+                dict(batch, x=batch["x"].at[0, 0].set(jnp.inf))):
+      u, state = step(params, state, bad)
+      assert _zero(u)
+      for a, b in zip(jax.tree.leaves(state.blocks), jax.tree.leaves(before)):
+        if np.asarray(a).dtype.kind == "f":
+          np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    h = kfl.health(state)
+    assert (h.bad_inputs, h.bad_grads) == (1, 1), str(h)
+    assert state.blocks["l0/w"].a.cov.dtype == jnp.float64

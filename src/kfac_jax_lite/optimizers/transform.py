@@ -82,7 +82,7 @@ import optax
 
 from kfac_jax_lite import estimators
 from kfac_jax_lite import tagging
-from kfac_jax_lite.factor import float_dtype
+from kfac_jax_lite.factor import all_finite, float_dtype
 from kfac_jax_lite.optimizers import _detection
 from kfac_jax_lite.optimizers import _health_state
 from kfac_jax_lite.optimizers import _layouts
@@ -386,13 +386,16 @@ def _run(cfg: _Kfac, updates, state, params, *, batch, stats, damping, loss,
       cfg, tagged, state, params, leaves, batch=batch, stats=stats,
       stats_key=stats_key, lam=lam, damping_ok=damping_ok, due=due,
       mean=mean, replicated_stats=replicated_stats, dtype=dtype,
-      input_ok=given_ok & targets_ok)
+      # A batch whose gradient is not finite is left out whole: a layer
+      # whose statistics stay finite (a saturated tanh after an inf input)
+      # does not fold them in either.
+      input_ok=given_ok & targets_ok & all_finite(leaves))
   if loss is None:  # The statistics pass's loss and targets, when it ran.
-    seen = (pass_loss, due & (stats is None))
+    seen = (pass_loss, due & (stats is None) & pass_ok)
     given_ok = ~seen[1] | jnp.isfinite(pass_loss)
     targets_ok = targets_ok & pass_ok
-  else:
-    seen = (mean(jnp.asarray(loss, dtype)), True)
+  else:  # A loss of bad targets is not the run's: left out.
+    seen = (mean(jnp.asarray(loss, dtype)), targets_ok)
   scale = clip(out, leaves, p.norm_constraint, dtype)
   out, grads_ok, update_ok = guard(out, leaves,
                                    damping_ok & given_ok & targets_ok, scale)
