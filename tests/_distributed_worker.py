@@ -295,7 +295,7 @@ def flat_stats(stats):
   """``{block/i: leaf}`` of an ``Estimate.stats`` (any block pytrees)."""
   import jax
   return {f"{name}/{i}": x for name, s in stats.items()
-          for i, x in enumerate(jax.tree.leaves(s))}
+          for i, x in enumerate(jax.tree.leaves(s)) if name != "~run"}
 
 
 def _per_device_grads(loss_fn, params, batch, axis, check_vma):

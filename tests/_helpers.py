@@ -105,7 +105,9 @@ def kron_cond_bound(stats, damping):
   ``κ ≤ (1 + tr A/(π√λ))(1 + π tr G/√λ)`` (a PSD matrix's eigenvalues are at
   most its trace), the largest over the blocks."""
   bound = 1.0
-  for s in stats.values():
+  for name, s in stats.items():
+    if name == kfl_run_entry():  # The loss and target count, no block.
+      continue
     a, g = (np.asarray(x, np.float64)[0] for x in (s.a, s.g))
     tr_a = a.sum() if a.ndim == 1 else np.trace(a)
     tr_g = np.trace(g)
@@ -325,3 +327,15 @@ def count_primitives(jaxpr, names):
             walk(sub.jaxpr)
   walk(jaxpr)
   return counts
+
+
+def kfl_run_entry():
+  """The reserved ``Estimate.stats`` entry of the run's loss and bad-target
+  count (``kfl.estimators.RUN_ENTRY``), not a block's statistics."""
+  from kfac_jax_lite import estimators
+  return estimators.RUN_ENTRY
+
+
+def block_stats(stats):
+  """``stats`` without the run entry (``kfl_run_entry``)."""
+  return {k: v for k, v in stats.items() if k != kfl_run_entry()}

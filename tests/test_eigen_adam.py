@@ -532,6 +532,9 @@ def test_cov_every_skips_the_statistics_pass_in_the_program():
     moved = max(float(np.abs(a - b).max()) for a, b in
                 zip(jax.tree.leaves(p2), jax.tree.leaves(params)))
     assert moved > 1e-2
+    # The health summaries differ by design: the one-pass style's
+    # statistics carry the loss (issue 38), batch= has none to give.
+    s1, s2 = s1._replace(health=None), s2._replace(health=None)
     for a, b in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2))):
       np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
 

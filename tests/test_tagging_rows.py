@@ -37,9 +37,11 @@ def _fisher(logits):
 
 
 @functools.lru_cache(maxsize=None)
-def _gnn_stats(mode):
+def _gnn_stats(mode, mask=None):
   with x64_mode(True):
     loss, p, batch = M.gnn(jnp.float64)
+    if mask is not None:
+      batch = dict(batch, mask=jnp.asarray(mask, jnp.float64))
     fn = kfl.value_grad_and_stats(loss, p, batch, estimation="exact",
                                   weight_sharing=mode)
     est = fn(p, batch, jax.random.key(0))
@@ -47,9 +49,11 @@ def _gnn_stats(mode):
     return jax.tree.map(np.asarray, est.stats), rows, np.asarray(est.weights)
 
 
-def _gnn_reference(mode):
+def _gnn_reference(mode, mask=None):
   with x64_mode(True):
     _, p, batch = M.gnn(jnp.float64)
+    if mask is not None:
+      batch = dict(batch, mask=jnp.asarray(mask, jnp.float64))
     # Jacobians of the logits [G, C] in each layer's output (perturbed).
     eps = M.gnn_eps(p, batch)
     logits = np.asarray(M.gnn_logits(p, batch, eps), np.float64)
@@ -116,6 +120,25 @@ def test_graph_network_rows_against_brute_force(mode):
                                err_msg=key)
   # The masked graph weighs nothing; the weights are the loss's, per graph.
   assert weights.shape == (M.GNN_G,) and weights[-1] == 0
+
+
+@pytest.mark.parametrize("mode", ["expand", "reduce"])
+def test_a_dropped_segment_id_beside_a_weighted_graph(mode):
+  """The last node's graph id (4) is out of range for ``num_segments=4``:
+  ``segment_sum`` drops it, so its rows belong to no example. Here every
+  graph weighs (the default fixture masks graph 3, the only neighbour a
+  dropped row could be folded into, hiding that bug): the statistics still
+  equal brute force, which gives the dropped rows no weight (issue 38)."""
+  mask = (1.0, 0.5, 1.0, 2.0)
+  stats, _, weights = _gnn_stats(mode, mask)
+  assert np.all(weights > 0)
+  names = {"edge": "edge/w", "node": "node/w", "type": "type"}
+  for key, (a_ref, g_ref) in _gnn_reference(mode, mask).items():
+    st = stats[names[key]]
+    np.testing.assert_allclose(st.a[0], a_ref, rtol=1e-10, atol=1e-12,
+                               err_msg=key)
+    np.testing.assert_allclose(st.g[0], g_ref, rtol=1e-10, atol=1e-12,
+                               err_msg=key)
 
 
 def test_graph_network_trains_with_kfac():

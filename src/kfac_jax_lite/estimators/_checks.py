@@ -57,6 +57,9 @@ def check_has_loss(tagged, estimation, where):
     estimation: the configured estimation mode.
     where: the API named in the error.
   """
+  partial = partial_loss(tagged)
+  if partial:
+    raise ValueError(f"{where}: {partial}")
   if tagged.losses or estimation in ("empirical", "empirical_shared"):
     return
   seen = ("; its terms: " + "; ".join(tagged.unrecognised)
@@ -70,3 +73,34 @@ def check_has_loss(tagged, estimation, where):
       "kfl.registered_loss), or with optax's namesakes or a standard form "
       "written out (recognised: see kfl.describe), or use "
       "estimation='empirical' (per-example gradients; any batch)")
+
+
+def partial_loss(tagged) -> str | None:
+  """Why ``tagged``'s recognised loss is only part of the loss, or None.
+
+  Issue 38: a Gaussian negative log-likelihood with a predicted scale,
+  written ``-Normal(mu, sigma).log_prob(y)`` (TensorFlow Probability) or by
+  hand as ``½((y - mu)/sigma)² + log sigma``, is recognised as a squared
+  error of variance 1 on the standardised residual ``(y - mu)/sigma``
+  (targets zeros), with the ``log sigma`` term not recognised: a curvature
+  model that is wrong for ``sigma``. That pattern (a recognised ``Normal``
+  with zeros as targets beside an unrecognised term through ``log``) is
+  refused for every estimation, naming ``kfl.gaussian_nll``, whose
+  curvature models the variance; ``describe`` says it too. A squared error
+  with data targets, or a ``log`` term beside a loss of another kind, is
+  left as it is (``describe`` lists the unrecognised terms)."""
+  logs = [u for u in tagged.unrecognised if "`log`" in u]
+  for t in tagged.losses:
+    r = t.recognised
+    if (r is not None and type(t.distribution).__name__ == "Normal"
+        and r.target == "zeros" and logs):
+      return (
+          "the loss looks like a Gaussian negative log-likelihood with a "
+          "predicted scale (-Normal(mu, sigma).log_prob(y), or "
+          "((y - mu)/sigma)**2/2 + log(sigma)): only its standardised "
+          "residual is recognised, as a squared error of variance 1 with "
+          f"targets zeros ({r.form}), and its {logs[0]} is not, so the "
+          "curvature would be wrong for sigma. Write it with "
+          "kfl.gaussian_nll(mean, variance, targets) (variance = sigma**2), "
+          "whose curvature models the predicted variance")
+  return None

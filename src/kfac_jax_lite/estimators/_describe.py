@@ -9,7 +9,8 @@ import chex
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite import tagging
 from kfac_jax_lite.estimators import _first_step
-from kfac_jax_lite.estimators._checks import check_estimation, check_has_loss
+from kfac_jax_lite.estimators._checks import (
+    check_estimation, check_has_loss, partial_loss)
 
 
 class Row(dict):
@@ -115,6 +116,9 @@ def loss_lines(tagged):
   if tagged.unrecognised:
     lines.append("loss terms not recognised (no curvature from them): "
                  + "; ".join(tagged.unrecognised))
+  partial = partial_loss(tagged)
+  if partial:  # Issue 38: refused by every estimation; say so here.
+    lines.append(f"loss REFUSED (recognised only in part): {partial}")
   if not tagged.losses or tagged.examples.how == "example_axis=":
     lines.append(tagged.examples.describe())
   lines.extend(tagged.examples.hints)

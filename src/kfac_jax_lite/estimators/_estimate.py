@@ -15,6 +15,34 @@ from kfac_jax_lite.estimators._checks import (
     PER_EXAMPLE_FALLBACKS, check_estimation, check_has_loss)
 
 
+# The reserved entry of ``Estimate.stats`` that carries the run's own
+# numbers next to the blocks' statistics (no layer is named so):
+# ``{"loss": the loss, "bad_targets": int32 count of targets outside their
+# distribution's support}``. ``kfl.kfac`` reads it, so that
+# ``tx.update(est.grads, state, params, stats=est.stats)`` sees the loss
+# (for ``kfl.health``) and skips a step on bad labels without ``loss=``.
+RUN_ENTRY = "~run"
+
+
+def split_run(stats):
+  """``(block statistics, run entry or None)`` of an ``Estimate.stats``
+  (``RUN_ENTRY``); ``stats`` None gives ``(None, None)``."""
+  if stats is None or RUN_ENTRY not in stats:
+    return stats, None
+  return ({k: v for k, v in stats.items() if k != RUN_ENTRY},
+          stats[RUN_ENTRY])
+
+
+def bad_targets(tagged, caps):
+  """int32: the targets of every registered loss outside its
+  distribution's support (``PredictiveDistribution.bad_targets``)."""
+  total = jnp.zeros((), jnp.int32)
+  for t in tagged.losses:
+    outs, targets = t.split(caps)
+    total = total + t.distribution.bad_targets(outs, targets)
+  return total
+
+
 class Estimate(NamedTuple):
   """What one pass gives: ``stats`` maps each block name to its statistics,
   ``weights`` are the examples' ``c_i``."""
@@ -275,6 +303,9 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
     shapes = jax.eval_shape(statistics)
     stats, c_i = jax.lax.cond(with_stats, statistics, lambda: jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+  stats = dict(stats)
+  stats[RUN_ENTRY] = {"loss": loss, "bad_targets": bad_targets(
+      tagged, caps).astype(float_dtype(loss.dtype))}
   return Estimate(loss, aux, grads, stats, c_i)
 
 

@@ -69,6 +69,13 @@ class PredictiveDistribution:
           "implement ggn_sqrt")
     return self.fisher_sqrt(outputs)
 
+  def bad_targets(self, outputs, targets):
+    """int32: how many targets lie outside the distribution's support, so
+    that ``loss`` would fold them silently into another value (an integer
+    label outside ``[0, classes)``); 0 unless a subclass can tell."""
+    del outputs, targets
+    return jnp.zeros((), jnp.int32)
+
 
 def at_least_f32(x):
   """``x`` as a float of at least 32 bits (float64 stays float64)."""
@@ -100,6 +107,15 @@ class Categorical(PredictiveDistribution):
     if self.integer_labels:
       return (ids,)
     return (jax.nn.one_hot(ids, logits.shape[-1], dtype=logits.dtype),)
+
+  def bad_targets(self, outputs, targets):
+    """Integer labels outside ``[0, K)`` (``K = outputs[0].shape[-1]``):
+    JAX's indexing would wrap ``-1`` to class ``K - 1`` and give ``K`` a
+    NaN or clipped loss (PyTorch: ``Target K is out of bounds``)."""
+    if not self.integer_labels:
+      return jnp.zeros((), jnp.int32)
+    t = targets[0]
+    return jnp.sum((t < 0) | (t >= outputs[0].shape[-1])).astype(jnp.int32)
 
   def fisher_sqrt(self, outputs):
     # diag(p) - p pᵀ = B Bᵀ with B[v, k] = √p_k (δ_vk - p_v).

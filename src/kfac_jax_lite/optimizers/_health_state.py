@@ -20,6 +20,21 @@ at 0. ``update`` keeps, at a few scalar operations per step:
   either: it is skipped and counted in ``num_bad_grads``), so the state
   stays finite.
 
+Issue 38 adds the events a run can recover from:
+
+* ``num_bad_losses``: updates skipped because the loss seen was not
+  finite although the gradient was (a label at ``classes`` gives a NaN
+  loss with a finite gradient);
+* ``num_bad_inputs``: updates skipped because a registered or recognised
+  loss's targets lay outside its distribution's support (an integer label
+  outside ``[0, classes)``, which JAX's indexing would wrap into another
+  class); their statistics are left out too;
+* ``first_bad``/``last_bad``: the step (``count``) of the first and the
+  latest update that was skipped or replaced for any reason (-1: none), so
+  that ``kfl.health`` can tell a run that recovered from one that fails;
+* ``loss_first``: the first finite loss seen (a loss far above it is a
+  blow-up from the first losses on, ``kfl.health``'s ``rising``).
+
 ``kfl.health`` judges them (its thresholds and their reasons are there).
 The reductions add no pass over the parameters: the per-leaf squared norms
 are the ones the total is summed from.
@@ -49,6 +64,11 @@ class HealthState(NamedTuple):
   loss_start: Any  # mean of the first LOSS_START_WINDOW losses seen.
   loss_recent: Any  # EMA (LOSS_DECAY) of the losses seen.
   num_losses: Any  # int32: losses seen.
+  loss_first: Any  # the first finite loss seen.
+  num_bad_losses: Any  # int32: skipped for a non-finite loss (finite grad).
+  num_bad_inputs: Any  # int32: skipped for targets outside their support.
+  first_bad: Any  # int32: step of the first skipped/replaced update, or -1.
+  last_bad: Any  # int32: step of the latest skipped/replaced update, or -1.
 
 
 def init(params, dtype) -> HealthState:
@@ -58,7 +78,11 @@ def init(params, dtype) -> HealthState:
       num_clipped=jnp.zeros((), jnp.int32), param_norm_first=zero(),
       param_norm=zero(), leaf_norm_first=jnp.zeros((n,), dtype),
       leaf_norm=jnp.zeros((n,), dtype), loss_start=zero(),
-      loss_recent=zero(), num_losses=jnp.zeros((), jnp.int32))
+      loss_recent=zero(), num_losses=jnp.zeros((), jnp.int32),
+      loss_first=zero(), num_bad_losses=jnp.zeros((), jnp.int32),
+      num_bad_inputs=jnp.zeros((), jnp.int32),
+      first_bad=jnp.full((), -1, jnp.int32),
+      last_bad=jnp.full((), -1, jnp.int32))
 
 
 def update(h: HealthState, first, params, clipped, loss, seen, dtype
@@ -66,7 +90,7 @@ def update(h: HealthState, first, params, clipped, loss, seen, dtype
   """``h`` after one update: ``first`` whether it is the first (``count ==
   0``), ``clipped`` whether the KL clip scaled it down, ``loss`` the loss
   seen at this step when ``seen`` (a bool; a non-finite ``loss`` is not
-  kept)."""
+  kept). The bad-event fields are ``events``'."""
   sq = jnp.stack([jnp.vdot(p, p).real.astype(dtype)
                   for p in jax.tree.leaves(params)] or [jnp.zeros((), dtype)])
   leaf = jnp.sqrt(sq)[:h.leaf_norm.shape[0]]
@@ -86,21 +110,44 @@ def update(h: HealthState, first, params, clipped, loss, seen, dtype
       param_norm=norm,
       leaf_norm_first=jnp.where(first, leaf, h.leaf_norm_first),
       leaf_norm=leaf, loss_start=start, loss_recent=recent,
-      num_losses=k + seen.astype(jnp.int32))
+      num_losses=k + seen.astype(jnp.int32),
+      loss_first=jnp.where(seen & (k == 0), loss, h.loss_first),
+      num_bad_losses=h.num_bad_losses, num_bad_inputs=h.num_bad_inputs,
+      first_bad=h.first_bad, last_bad=h.last_bad)
+
+
+def events(h: HealthState, step, bad_loss, bad_input, bad) -> HealthState:
+  """``h`` with one update's events counted: ``bad_loss`` (a non-finite
+  loss, finite gradient), ``bad_input`` (targets outside their support),
+  ``bad`` (the update was skipped or replaced for any reason) at ``step``
+  (``count``)."""
+  count = lambda x: jnp.asarray(x).astype(jnp.int32)
+  return h._replace(
+      num_bad_losses=h.num_bad_losses + count(bad_loss),
+      num_bad_inputs=h.num_bad_inputs + count(bad_input),
+      first_bad=jnp.where(bad & (h.first_bad < 0), step, h.first_bad),
+      last_bad=jnp.where(bad, step, h.last_bad))
 
 
 def counted(state, params, grads_ok, update_ok, damping_ok, scaled,
-            seen: tuple[Any, Any], dtype) -> dict:
+            seen: tuple[Any, Any], dtype, input_ok=(True, True)) -> dict:
   """The new counters of a ``KfacState`` after one update (its fields, for
   ``state._replace``): the skip counters (the transform's module doc) and
-  ``health`` (``update``; ``seen`` its ``(loss, seen)``)."""
-  good = grads_ok & damping_ok
+  ``health`` (``update``; ``seen`` its ``(loss, seen)``; ``input_ok``
+  ``(loss_ok, targets_ok)``: whether the loss seen was finite and the
+  targets in their support, ``events``)."""
+  loss_ok, targets_ok = (jnp.asarray(x) for x in input_ok)
+  good = grads_ok & damping_ok & loss_ok & targets_ok
+  params_ok = fac.all_finite(params)
+  bad = ~good | ~update_ok | ~params_ok
+  health = update(state.health, state.count == 0, params,
+                  good & update_ok & scaled, *seen, dtype)
+  health = events(health, state.count, grads_ok & targets_ok & ~loss_ok,
+                  grads_ok & ~targets_ok, bad)
   count = lambda x: jnp.asarray(x).astype(jnp.int32)
   return dict(
       num_bad_grads=state.num_bad_grads + count(~grads_ok),
       num_bad_updates=state.num_bad_updates + count(good & ~update_ok),
       num_bad_damping=state.num_bad_damping + count(~damping_ok),
-      num_nonfinite_params=state.num_nonfinite_params
-      + count(~fac.all_finite(params)),
-      health=update(state.health, state.count == 0, params,
-                    good & update_ok & scaled, *seen, dtype))
+      num_nonfinite_params=state.num_nonfinite_params + count(~params_ok),
+      health=health)

@@ -106,10 +106,12 @@ statistics (``"kfac"``: a sampled backward pass and ``Xᵀ X``, ``Gᵀ G``;
 decompositions, once in ``refresh_every`` (measured:
 ``benchmarks/eigen_adam_step.py``).
 
-Not done here: no damping (Adam's ``eps`` plays its role), no KL clipping,
-no guard for non-finite gradients (as ``optax.adam``); factor statistics
-that are not finite are skipped as in ``kfl.kfac``, and a decomposition
-that is not finite keeps the previous basis.
+Not done here: no damping (Adam's ``eps`` plays its role), no KL clipping.
+Guarded as ``kfl.kfac`` (``_eigen_guard``): a non-finite gradient, loss or
+update, or a label outside ``[0, classes)``, skips the update (moments and
+factors kept) and is counted; ``kfl.health`` reads the state. Factor
+statistics that are not finite are skipped as in ``kfl.kfac``, and a
+decomposition that is not finite keeps the previous basis.
 """
 from __future__ import annotations
 
@@ -129,6 +131,7 @@ from kfac_jax_lite.factor import float_dtype
 from kfac_jax_lite.optimizers._eigenbasis import (
     basis_of, from_basis, is_factor, rebase_moments, refresh_factor,
     shampoo_stats, to_basis)
+from kfac_jax_lite.optimizers import _eigen_guard
 from kfac_jax_lite.optimizers import options as O
 from kfac_jax_lite.optimizers import transform
 
@@ -150,6 +153,11 @@ class EigenAdamState(NamedTuple):
   nu_basis: dict  # rotated layer -> second moment v [groups, a, b], in its basis.
   mu: tuple  # per parameter leaf: plain Adam's m (shape (0,) if rotated).
   nu: tuple  # per parameter leaf: plain Adam's v (shape (0,) if rotated).
+  # The guard's counters and health summaries (``_eigen_guard``).
+  num_bad_grads: Any = None  # int32: skipped for a non-finite gradient.
+  num_bad_updates: Any = None  # int32: skipped for a non-finite update.
+  num_nonfinite_params: Any = None  # int32: called with non-finite params.
+  health: Any = None  # _health_state.HealthState, as in KfacState.
 
 
 def inner_block(block) -> Any:
@@ -341,7 +349,8 @@ def _init(cfg: _EigenAdam, params) -> EigenAdamState:
       count=jnp.zeros((), jnp.int32), stats_due=jnp.ones((), jnp.int32),
       key=jax.random.PRNGKey(cfg.curvature.seed),
       blocks=states, mu_basis={l.name: moment(l) for l in layers},
-      nu_basis={l.name: moment(l) for l in layers}, mu=plain(), nu=plain())
+      nu_basis={l.name: moment(l) for l in layers}, mu=plain(), nu=plain(),
+      **_eigen_guard.init(params))
 
 
 def _adam(a: AdamOptions, g, m, v, count_inc):
@@ -387,12 +396,15 @@ def _step_of(cfg: _EigenAdam, updates, state, params, batch, stats) -> _Step:
 
 
 def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
-            stats=None, **extra_args):
+            stats=None, loss=None, **extra_args):
   """``update`` (``eigen_adam``'s Returns): ``"kfac"`` folds this step's
   statistics and refreshes the bases before Adam's step; ``"shampoo"``
   (SOAP) steps in the bases of the earlier gradients, then folds this one
   in (the first step only starts them)."""
   del extra_args
+  stats, run = estimators.split_run(stats)
+  if loss is None and run is not None:
+    loss = run["loss"]
   s = _step_of(cfg, updates, state, params, batch, stats)
   treedef = jax.tree.structure(updates)
   count_inc = optax.safe_increment(state.count)
@@ -417,6 +429,11 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
                  ).astype(jnp.int32),
       key=jax.random.split(state.key)[0], blocks=states, mu_basis=mu_b,
       nu_basis=nu_b, mu=tuple(mu), nu=tuple(nu))
+  bad = None if run is None else run["bad_targets"]
+  if cfg.curvature.axis_name is not None:  # One verdict on every device.
+    loss, bad = jax.lax.pmean((loss, bad), cfg.curvature.axis_name)
+  out, new_state = _eigen_guard.guarded(state, new_state, out, s.leaves,
+                                        params, loss, bad)
   return jax.tree.unflatten(treedef, out), new_state
 
 

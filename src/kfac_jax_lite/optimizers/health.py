@@ -28,6 +28,7 @@ from jax.typing import ArrayLike
 
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.optimizers import _health_state
+from kfac_jax_lite.optimizers import eigen_adam
 from kfac_jax_lite.optimizers import optimizer
 from kfac_jax_lite.optimizers import sharding
 from kfac_jax_lite.optimizers import transform
@@ -71,6 +72,44 @@ PARAM_GROWTH_LIMIT = 10.0
 # check it against the loss you expect.
 STALL_MIN_LOSSES = 100
 STALL_MIN_DROP = 0.01
+
+# ---- issue 38: rising losses and runs that recovered (kept apart from the
+# state finder above, which issue 37 extends).
+# Rise: a run whose recent loss (the EMA) is above its reference (the
+# smaller of the first loss seen and the mean of the first 10) by more than
+# LOSS_RISE_LIMIT times the reference's magnitude is failing, from the
+# second loss on: issue 38's held-out runs that blew up went 2.99 -> 59.1
+# and 4.96 -> 9.5e5 while health said "ok" (one leaf had grown 162x; the
+# total norm stayed under PARAM_GROWTH_LIMIT). A run that trains lowers its
+# loss (every run of benchmarks/robustness.py ended at most a third of its
+# start, see STALL_MIN_DROP's comment), so its EMA never reaches 3x its
+# start; minibatch noise is a few per cent. A loss that starts near 0 (a
+# fine-tuned regression) is judged against max(|reference|, 1e-8).
+LOSS_RISE_LIMIT = 2.0
+# Recovered: a run with skipped or replaced updates whose latest one is at
+# least RECOVERY_STEPS updates back, whose parameters stayed finite, whose
+# blocks are all preconditioned and which neither blew up, stalled nor
+# rose, reads "recovered after 1 bad batch at step 40" rather than
+# PROBLEMS; ``Health.ok`` stays False (something did happen), and
+# ``Health.failing`` is False.
+RECOVERY_STEPS = 10
+# Scale (issue 38, goal 4). The defaults assume a loss of order 1 (a mean
+# over examples of a cross-entropy or a squared error of standardised
+# targets) and layer inputs of order 1 (standardised features, the
+# activations of a usual net): ``damping`` is absolute in the factors'
+# units (π-damping adds π√λ to A and √λ/π to G: inputs x c scale A by c²,
+# so the damping's share of A moves by 1/c), and ``norm_constraint``
+# bounds ⟨u, g⟩, which a loss scaled by s scales by s. Inputs x 1e-6 then
+# stall (the damping swamps A), x 1e6 blow up (it falls below float32's
+# resolution of G), a loss x 1e8 (fp16 loss scaling) stalls under the KL
+# clip, x 1e-8 under the damping. A run is flagged OUT OF SCALE when the
+# first loss seen is outside LOSS_SCALE (by magnitude), or when an input
+# factor's median diagonal (the median second moment of a layer's inputs,
+# the bias's constant 1 among them) is outside INPUT_SCALE. The bounds are
+# 1e4 away from the defaults' scale: at ln 10 = 2.3 a classifier's first
+# loss, 0.1-300 the digits inputs' second moments (pixels 0-16).
+LOSS_SCALE = (1e-4, 1e4)
+INPUT_SCALE = (1e-8, 1e8)
 
 
 class Health(NamedTuple):
@@ -128,6 +167,75 @@ class Health(NamedTuple):
   num_losses: int = 0
   loss_start: Optional[float] = None
   loss_recent: Optional[float] = None
+  bad_losses: int = 0
+  bad_inputs: int = 0
+  first_bad: Optional[int] = None
+  last_bad: Optional[int] = None
+  loss_first: Optional[float] = None
+  input_scale: Optional[tuple] = None
+
+  @property
+  def out_of_scale(self) -> Optional[str]:
+    """Why the run is outside the scale the defaults assume (``LOSS_SCALE``,
+    ``INPUT_SCALE``), or None."""
+    lo, hi = LOSS_SCALE
+    if self.loss_first is not None and self.loss_first != 0 and not (
+        lo <= abs(self.loss_first) <= hi):
+      return (f"first loss {self.loss_first:.3g}: scale damping and "
+              "norm_constraint with the loss, or unscale it")
+    lo, hi = INPUT_SCALE
+    if self.input_scale is not None:
+      small, large = self.input_scale
+      if not (lo <= small and large <= hi):
+        return (f"layer inputs' second moments {small:.3g}-{large:.3g}: "
+                "standardise the inputs, or scale damping with them")
+    return None
+
+  @property
+  def rose(self) -> bool:
+    """The recent loss is above the smaller of the first loss and the
+    starting mean by more than ``LOSS_RISE_LIMIT`` times its magnitude
+    (from the second loss on)."""
+    if self.num_losses < 2 or self.loss_recent is None:
+      return False
+    refs = [x for x in (self.loss_first, self.loss_start) if x is not None]
+    ref = min(refs)
+    return not self.loss_recent <= ref + LOSS_RISE_LIMIT * max(abs(ref), 1e-8)
+
+  @property
+  def bad_events(self) -> int:
+    """Updates skipped or replaced: bad gradients, losses, inputs, damping
+    and updates."""
+    return (self.bad_grads + self.bad_losses + self.bad_inputs
+            + self.bad_damping + self.bad_updates)
+
+  @property
+  def recovered(self) -> bool:
+    """Something was skipped (``bad_events``, skipped statistics or failed
+    inverses), the latest skipped update is ``RECOVERY_STEPS`` or more
+    updates back, and the run is sound now: finite parameters, every block
+    preconditioned, no blow-up, stall or rise."""
+    happened = self.bad_events or self.skipped_stats or self.failed_inverses
+    return bool(happened and self.last_bad is not None
+                and self.steps - 1 - self.last_bad >= RECOVERY_STEPS
+                and not (self.nonfinite_params or self.unready_blocks
+                         or self.blew_up or self.stalled or self.rose))
+
+  @property
+  def failing(self) -> bool:
+    """Not ``ok`` and not ``recovered``."""
+    return not (self.ok or self.recovered)
+
+  def _head(self) -> str:
+    if self.ok:
+      return "kfac: ok"
+    if not self.recovered:
+      return "kfac: PROBLEMS"
+    n = self.bad_events or self.skipped_stats or self.failed_inverses
+    what = f"{n} bad batch" + ("es" if n != 1 else "")
+    where = (f"at step {self.first_bad}" if self.first_bad == self.last_bad
+             else f"at steps {self.first_bad}-{self.last_bad}")
+    return f"kfac: recovered after {what} {where}"
 
   @property
   def blew_up(self) -> bool:
@@ -151,11 +259,14 @@ class Health(NamedTuple):
     return not (self.bad_grads or self.nonfinite_params or self.bad_damping
                 or self.bad_updates or self.skipped_stats
                 or self.failed_inverses or self.unready_blocks
-                or self.blew_up or self.stalled)
+                or self.blew_up or self.stalled or self.bad_losses
+                or self.bad_inputs or self.rose or self.out_of_scale)
 
   def __str__(self):
-    head = "kfac: ok" if self.ok else "kfac: PROBLEMS"
-    parts = [head, f"{self.steps} steps", f"bad grads {self.bad_grads}",
+    parts = [self._head(), f"{self.steps} steps",
+             f"bad grads {self.bad_grads}",
+             f"bad losses {self.bad_losses}",
+             f"bad inputs {self.bad_inputs}",
              f"non-finite params {self.nonfinite_params}",
              f"bad damping {self.bad_damping}",
              f"bad updates {self.bad_updates}",
@@ -178,7 +289,10 @@ class Health(NamedTuple):
       return "loss not seen"
     part = (f"loss {self.loss_start:.4g} -> {self.loss_recent:.4g} over "
             f"{self.num_losses}")
-    return part + (" (STALLED)" if self.stalled else "")
+    return part + (" (STALLED)" if self.stalled else "") + (
+        " (LOSS ROSE)" if self.rose else "") + (
+            f" (OUT OF SCALE: {self.out_of_scale})" if self.out_of_scale
+            else "")
 
   __repr__ = __str__
 
@@ -201,7 +315,63 @@ def loss_course(losses):
 
 
 def _is_state(x):
-  return isinstance(x, (transform.KfacState, optimizer.KfacOptimizerState))
+  return isinstance(x, (transform.KfacState, optimizer.KfacOptimizerState,
+                        eigen_adam.EigenAdamState))
+
+
+def _guard_view(s):
+  """An ``EigenAdamState`` as the ``KfacState`` fields ``health`` reads
+  (issue 38: ``eigen_adam``'s guard keeps the same counters; it has no
+  damping to refuse). Other states are returned as they are."""
+  if not isinstance(s, eigen_adam.EigenAdamState):
+    return s
+  if s.health is None:
+    raise ValueError("kfl.health: this eigen_adam state has no health "
+                     "counters (made by an older version): call tx.init")
+  return transform.KfacState(
+      count=s.count, key=s.key, blocks=s.blocks,
+      num_bad_grads=s.num_bad_grads, num_bad_updates=s.num_bad_updates,
+      num_bad_damping=np.zeros_like(np.asarray(s.num_bad_grads)),
+      num_nonfinite_params=s.num_nonfinite_params, health=s.health,
+      stats_due=s.stats_due)
+
+
+def _input_scale(found):
+  """``(smallest, largest)`` median diagonal of the input factors (``a``)
+  of the states' blocks, or None (no such factor with statistics)."""
+  medians = []
+  for s in found:
+    blocks = (sharding.unshard_blocks(s.blocks)
+              if isinstance(s.blocks, sharding.ShardedBlocks) else s.blocks)
+    for block in blocks.values():
+      a = getattr(block, "a", None)
+      if not _is_factor(a):
+        continue
+      cov, w = np.asarray(a.cov, np.float64), np.asarray(a.weight, np.float64)
+      if cov.ndim < 2 or cov.shape[-1] != cov.shape[-2] or not np.all(w > 0):
+        continue
+      diag = np.diagonal(cov, axis1=-2, axis2=-1) / w.reshape(
+          w.shape + (1,) * (cov.ndim - 1 - w.ndim))
+      if np.all(np.isfinite(diag)):
+        medians.append(float(np.median(diag)))
+  return (min(medians), max(medians)) if medians else None
+
+
+def _events(found):
+  """``(bad losses, bad inputs, first bad step or None, last bad step or
+  None)`` over the states ``found`` (devices counted once)."""
+  losses = inputs = 0
+  first, last = [], []
+  for s in found:
+    h = s.health
+    devices = np.asarray(s.count).size
+    losses += _total(h.num_bad_losses) // devices
+    inputs += _total(h.num_bad_inputs) // devices
+    f, l = np.asarray(h.first_bad).ravel(), np.asarray(h.last_bad).ravel()
+    first += [int(x) for x in f if x >= 0]
+    last += [int(x) for x in l if x >= 0]
+  return (losses, inputs, min(first) if first else None,
+          max(last) if last else None)
 
 
 def _is_factor(x):
@@ -245,11 +415,15 @@ def health(state: optax.OptState,
   """
   found = [x for x in jax.tree.leaves(state, is_leaf=_is_state) if _is_state(x)]
   if not found:
-    raise ValueError("kfl.health: no kfl.kfac or kfl.kfac_optimizer state "
-                     f"found in {type(state).__name__}")
+    raise ValueError("kfl.health: no kfl.kfac, kfl.kfac_optimizer or "
+                     f"kfl.eigen_adam state found in {type(state).__name__}")
+  found = [_guard_view(x) for x in found]
+  events = _events([x.kfac if isinstance(x, optimizer.KfacOptimizerState)
+                    else x for x in found])
   totals = np.zeros(9, np.int64)
   extra = {}
   growth, leaf_growth, leaf, course = 1.0, 1.0, None, (0, None, None)
+  loss_first = None
   for s in found:
     if isinstance(s, optimizer.KfacOptimizerState):
       extra = dict(damping=_first(s.damping), rho=_first(s.rho),
@@ -279,12 +453,22 @@ def health(state: optax.OptState,
     n = int(np.asarray(h.num_losses).ravel()[0])
     if n > course[0]:
       course = (n, _first(h.loss_start), _first(h.loss_recent))
+      loss_first = _first(h.loss_first)
   if losses is not None:
     course = loss_course(losses)
+    finite = np.asarray(losses, np.float64).ravel()
+    finite = finite[np.isfinite(finite)]
+    loss_first = float(finite[0]) if finite.size else None
   *counts, clipped = (int(t) for t in totals)
   return Health(*counts, **extra, clipped=clipped, param_growth=growth,
                 leaf_growth=leaf_growth, leaf=leaf, num_losses=course[0],
-                loss_start=course[1], loss_recent=course[2])
+                loss_start=course[1], loss_recent=course[2],
+                bad_losses=events[0], bad_inputs=events[1],
+                first_bad=events[2], last_bad=events[3],
+                loss_first=loss_first,
+                input_scale=_input_scale(
+                    [x.kfac if isinstance(x, optimizer.KfacOptimizerState)
+                     else x for x in found]))
 
 
 def _growth(first, last):

@@ -496,7 +496,24 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
       jax.tree.map(lambda s, v: s.astype(v.dtype), step, state.velocity),
       coeffs[0].astype(state.learning_rate.dtype),
       coeffs[1].astype(state.momentum.dtype), rho.astype(state.rho.dtype))
-  return step, new_state
+  return _skip_if_guarded(state, new_state, step)
+
+
+def _skip_if_guarded(state, new_state, step):
+  """``(step, new_state)``, or a zero step and ``state``'s damping,
+  velocity and coefficients (the new K-FAC state kept, with its counters)
+  when the inner ``kfl.kfac`` skipped or replaced this update (a
+  non-finite gradient or loss, a label outside its classes: its
+  ``health.last_bad`` is this step), so that the momentum does not carry
+  the step on (issue 38; PyTorch's ``GradScaler`` skips it the same way)."""
+  skipped = new_state.kfac.health.last_bad == state.kfac.count
+  keep = lambda new, old: jax.tree.map(
+      lambda n, o: jnp.where(skipped, o, n).astype(o.dtype), new, old)
+  step = jax.tree.map(lambda x: jnp.where(skipped, jnp.zeros_like(x), x),
+                      step)
+  return step, new_state._replace(**{
+      f: keep(getattr(new_state, f), getattr(state, f))
+      for f in ("damping", "velocity", "learning_rate", "momentum", "rho")})
 
 
 def _model_step(cfg: _Optimizer, tagged, params, batch, grads, delta, vel,

@@ -42,7 +42,15 @@ non-finite statistics leave the factors as they were (each factor's
 ``num_skipped``); a preconditioned update that is not finite although the
 gradient is (a broken cache) falls back to the raw gradient and counts in
 ``num_bad_updates``; ``num_nonfinite_params`` counts the updates called
-with non-finite parameters (the run has diverged). Factors are kept in
+with non-finite parameters (the run has diverged). A loss seen (``loss=``,
+or the ``Estimate.stats`` run entry, ``estimators.RUN_ENTRY``) that is not
+finite although the gradient is, and a registered or recognised
+classification loss's integer label outside ``[0, classes)``, skip the
+update and leave its statistics out (``health.num_bad_losses``,
+``health.num_bad_inputs``). A state that does not belong to these params
+or this configuration (another ``blocks=``, ``damping_mode=``, layout, a
+checkpoint of another run) is refused at the first update
+(``_restore_check``). Factors are kept in
 the parameters' dtype, at least float32 (``float_dtype``).
 
 Damping reaches the preconditioner one of two ways: π mode (and diagonal
@@ -74,10 +82,11 @@ import optax
 
 from kfac_jax_lite import estimators
 from kfac_jax_lite import tagging
-from kfac_jax_lite.factor import float_dtype
+from kfac_jax_lite.factor import all_finite, float_dtype
 from kfac_jax_lite.optimizers import _detection
 from kfac_jax_lite.optimizers import _health_state
 from kfac_jax_lite.optimizers import _layouts
+from kfac_jax_lite.optimizers import _restore_check
 from kfac_jax_lite.optimizers import _sharded_step
 from kfac_jax_lite.optimizers import options as O
 from kfac_jax_lite.optimizers import sharding
@@ -362,9 +371,17 @@ def _tagged_for_batch(cfg: _Kfac, params, batch, stats):
 def _run(cfg: _Kfac, updates, state, params, *, batch, stats, damping, loss,
          replicated_stats=False):
   """``update`` on one device (or each device of a map): the curvature's
-  stages (``_curvature``), then the KL clip, the guard and the counters."""
+  stages (``_curvature``), then the KL clip, the guard and the counters.
+
+  The run entry of ``stats`` (``estimators.RUN_ENTRY``: the estimate's
+  loss and its count of targets outside their support) stands for
+  ``loss=`` when that is not given; a non-finite loss (with a finite
+  gradient) or a bad target skips the update (a zero update, statistics
+  left out) and is counted (``_health_state``)."""
   c, p = cfg.curvature, cfg.preconditioner
+  stats, run = estimators.split_run(stats)
   tagged = _tagged_for_batch(cfg, params, batch, stats)
+  _restore_check.check(cfg, tagged, state, params)
   _check_axis_name(c.axis_name, params, stats if stats is not None else batch)
   key, stats_key = jax.random.split(state.key)
   if c.axis_name is not None:  # Independent samples on every device.
@@ -375,37 +392,61 @@ def _run(cfg: _Kfac, updates, state, params, *, batch, stats, damping, loss,
   damping_ok = (lam > 0) & jnp.isfinite(lam)
   mean = (lambda x: x) if replicated_stats or not c.axis_name else (
       lambda x: jax.lax.pmean(x, c.axis_name))
+  if loss is None and run is not None:
+    loss = run["loss"]
+  given_ok = (jnp.ones((), bool) if loss is None
+              else jnp.isfinite(mean(jnp.asarray(loss, dtype))))
+  targets_ok = (jnp.ones((), bool) if run is None else
+                mean(jnp.asarray(run["bad_targets"], dtype)) == 0)
   due = state.count % c.cov_every == 0
   leaves, treedef = jax.tree.flatten(updates)  # The gradients.
-  out, states, seen = _curvature(
+  out, states, (pass_loss, pass_ok) = _curvature(
       cfg, tagged, state, params, leaves, batch=batch, stats=stats,
       stats_key=stats_key, lam=lam, damping_ok=damping_ok, due=due,
-      mean=mean, replicated_stats=replicated_stats, dtype=dtype)
-  seen = ((seen, due & (stats is None)) if loss is None else
-          (mean(loss), True))
+      mean=mean, replicated_stats=replicated_stats, dtype=dtype,
+      # A batch whose gradient is not finite is left out whole: a layer
+      # whose statistics stay finite (a saturated tanh after an inf input)
+      # does not fold them in either.
+      input_ok=given_ok & targets_ok & all_finite(leaves))
+  if loss is None:  # The statistics pass's loss and targets, when it ran.
+    seen = (pass_loss, due & (stats is None) & pass_ok)
+    given_ok = ~seen[1] | jnp.isfinite(pass_loss)
+    targets_ok = targets_ok & pass_ok
+  else:  # A loss of bad targets is not the run's: left out.
+    seen = (mean(jnp.asarray(loss, dtype)), targets_ok)
   scale = clip(out, leaves, p.norm_constraint, dtype)
-  out, grads_ok, update_ok = guard(out, leaves, damping_ok, scale)
+  out, grads_ok, update_ok = guard(out, leaves,
+                                   damping_ok & given_ok & targets_ok, scale)
   new_state = state._replace(
       count=state.count + 1, key=key, blocks=states,
       stats_due=((state.count + 1) % c.cov_every == 0).astype(jnp.int32),
       **_health_state.counted(state, params, grads_ok, update_ok,
-                              damping_ok, scale < 1, seen, dtype))
+                              damping_ok, scale < 1, seen, dtype,
+                              (given_ok, targets_ok)))
   return jax.tree.unflatten(treedef, out), new_state
 
 
 def _curvature(cfg: _Kfac, tagged, state, params, leaves, *, batch, stats,
-               stats_key, lam, damping_ok, due, mean, replicated_stats, dtype):
+               stats_key, lam, damping_ok, due, mean, replicated_stats, dtype,
+               input_ok):
   """The stages on ``state.blocks``: statistics (``stats=``, or their own
   pass on ``batch``) folded in when ``due``, the refresh when it is due,
-  and the preconditioned gradient ``leaves``; in either layout. Returns
-  ``(preconditioned leaves, new block states, the statistics pass's loss
-  or 0)``."""
+  and the preconditioned gradient ``leaves``; in either layout.
+  Statistics of a bad input (``input_ok`` False, or the own pass's targets
+  outside their support) are made non-finite, so every factor leaves them
+  out (and counts them). Returns ``(preconditioned leaves, new block
+  states, (the statistics pass's loss or 0, whether its targets were in
+  their support))``."""
   c, p = cfg.curvature, cfg.preconditioner
   layers = tagged.layers
   refresh_due = is_refresh_step(state.count, p.inverse_every)
+  poison = lambda st, ok: jax.tree.map(
+      lambda x: jnp.where(ok, x, jnp.nan).astype(x.dtype)
+      if jnp.issubdtype(x.dtype, jnp.inexact) else x, st)
   if isinstance(state.blocks, sharding.ShardedBlocks):
     _sharded_step.check_layout(state.blocks, layers)
-    local = lambda: ((stats, 0.0) if stats is not None else statistics(
+    local = lambda: ((poison(stats, input_ok), 0.0) if stats is not None
+                     else statistics(
         tagged, params, batch, stats_key, None, estimation=c.estimation,
         num_samples=c.num_samples, stats_fraction=c.stats_fraction))
     out, states, seen = _sharded_step.step(
@@ -415,22 +456,28 @@ def _curvature(cfg: _Kfac, tagged, state, params, leaves, *, batch, stats,
         damping_ok=damping_ok, refresh_due=refresh_due, count=state.count,
         cov_decay=c.cov_decay, precon_power=p.precon_power,
         inverse_method=p.inverse_method)
-    return out, states, jnp.asarray(seen, dtype)
+    return out, states, (jnp.asarray(seen, dtype), jnp.ones((), bool))
 
   def statistics_and_accumulate(states):
     if stats is not None:
-      new = mean(stats), 0.0
+      new, value, ok = mean(stats), 0.0, jnp.ones((), bool)
     else:
-      new = statistics(tagged, params, batch, stats_key, states,
-                       estimation=c.estimation, num_samples=c.num_samples,
-                       stats_fraction=c.stats_fraction,
-                       axis_name=c.axis_name)
-    return (accumulate(layers, states, new[0], c.cov_decay),
-            jnp.asarray(new[1], dtype))
+      new, value = statistics(tagged, params, batch, stats_key, states,
+                              estimation=c.estimation,
+                              num_samples=c.num_samples,
+                              stats_fraction=c.stats_fraction,
+                              axis_name=c.axis_name)
+      new, run = estimators.split_run(new)
+      ok = (jnp.ones((), bool) if run is None
+            else jnp.asarray(run["bad_targets"]) == 0)
+    new = poison(new, input_ok & ok)
+    return (accumulate(layers, states, new, c.cov_decay),
+            (jnp.asarray(value, dtype), ok))
 
   states, seen = (statistics_and_accumulate(state.blocks) if c.cov_every == 1
                   else jax.lax.cond(due, statistics_and_accumulate,
-                                    lambda st: (st, jnp.zeros((), dtype)),
+                                    lambda st: (st, (jnp.zeros((), dtype),
+                                                     jnp.ones((), bool))),
                                     state.blocks))
   states = refresh(layers, states, lam, damping_ok, refresh_due, state.count,
                    precon_power=p.precon_power,
