@@ -27,7 +27,9 @@ import optax
 from jax.typing import ArrayLike
 
 from kfac_jax_lite import factor as fac
+from kfac_jax_lite.optimizers import _find
 from kfac_jax_lite.optimizers import _health_state
+from kfac_jax_lite.optimizers import eigen_adam
 from kfac_jax_lite.optimizers import optimizer
 from kfac_jax_lite.optimizers import sharding
 from kfac_jax_lite.optimizers import transform
@@ -200,8 +202,8 @@ def loss_course(losses):
   return len(values), start, recent
 
 
-def _is_state(x):
-  return isinstance(x, (transform.KfacState, optimizer.KfacOptimizerState))
+_KINDS = (optimizer.KfacOptimizerState, transform.KfacState,
+          eigen_adam.EigenAdamState)
 
 
 def _is_factor(x):
@@ -234,8 +236,12 @@ def health(state: optax.OptState,
            losses: ArrayLike | Sequence[float] | None = None) -> Health:
   """The health counters of every K-FAC state inside ``state``, summed.
 
-  ``state`` is any pytree holding ``kfl.kfac`` or ``kfl.kfac_optimizer``
-  states (e.g. the state of ``optax.chain(kfl.kfac(...), ...)``). Prints
+  ``state`` is any pytree holding ``kfl.kfac``, ``kfl.kfac_optimizer`` or
+  ``kfl.eigen_adam`` states (e.g. the state of ``optax.chain(kfl.kfac(...),
+  ...)``), nested in any optax combinator (``MultiSteps``,
+  ``inject_hyperparams``, ``apply_if_finite``, ``multi_transform``, ...),
+  its leaves in flax wrappers or not (``nnx.Optimizer``'s ``opt_state``);
+  an ``eigen_adam`` state gives its steps and its factors' counters. Prints
   as one line; ``.ok`` is False when any counter is non-zero, the
   parameters blew up (``Health.blew_up``) or the loss stalled
   (``Health.stalled``). A pmapped state (a leading device axis) counts its
@@ -243,14 +249,17 @@ def health(state: optax.OptState,
   sequence of scalars), judged instead of those the state kept (which
   has them only when ``update`` got ``loss=`` or ``batch=``).
   """
-  found = [x for x in jax.tree.leaves(state, is_leaf=_is_state) if _is_state(x)]
+  found = _find.states(state, _KINDS)
   if not found:
-    raise ValueError("kfl.health: no kfl.kfac or kfl.kfac_optimizer state "
-                     f"found in {type(state).__name__}")
+    raise ValueError("kfl.health: no kfl.kfac, kfl.kfac_optimizer or "
+                     f"kfl.eigen_adam state found in {type(state).__name__}")
   totals = np.zeros(9, np.int64)
   extra = {}
   growth, leaf_growth, leaf, course = 1.0, 1.0, None, (0, None, None)
   for s in found:
+    if isinstance(s, eigen_adam.EigenAdamState):
+      totals += _eigen_adam_counts(s)
+      continue
     if isinstance(s, optimizer.KfacOptimizerState):
       extra = dict(damping=_first(s.damping), rho=_first(s.rho),
                    learning_rate=_first(s.learning_rate),
@@ -285,6 +294,16 @@ def health(state: optax.OptState,
   return Health(*counts, **extra, clipped=clipped, param_growth=growth,
                 leaf_growth=leaf_growth, leaf=leaf, num_losses=course[0],
                 loss_start=course[1], loss_recent=course[2])
+
+
+def _eigen_adam_counts(s) -> np.ndarray:
+  """``health``'s nine counters of a ``kfl.eigen_adam`` state: its steps
+  and its factors' skipped statistics, failed decompositions and unready
+  blocks (it keeps no gradient, damping or clip counters)."""
+  count = np.asarray(s.count)
+  devices = count.size
+  blocks = [c // devices for c in _block_counts(s.blocks)]
+  return np.array([np.max(count), 0, 0, 0, 0] + blocks + [0], np.int64)
 
 
 def _growth(first, last):
