@@ -13,7 +13,7 @@ SRC = pathlib.Path(kfl.__file__).parent
 
 TOP_LEVEL = {
     "kfac", "KfacState", "kfac_optimizer", "KfacOptimizerState",
-    "eigen_adam", "EigenAdamState",
+    "eigen_adam", "EigenAdamState", "CurvatureOptions", "PreconditionerOptions",
     "value_grad_and_stats", "stats_due", "Estimate", "ESTIMATIONS",
     "with_batch", "with_stats", "inject_hyperparams",
     "describe", "health", "Health",

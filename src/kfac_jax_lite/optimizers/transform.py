@@ -156,7 +156,9 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     ``update(grads, state, params, *, batch=None, stats=None,
     damping=None, loss=None)``, which needs ``params`` and either
     ``batch=`` (the statistics take their own pass on its first
-    ``stats_fraction``) or ``stats=`` (an ``Estimate.stats``); ``damping``
+    ``stats_fraction``) or ``stats=`` (an ``Estimate.stats``), or, for a
+    loop that passes no extra arguments (flax's ``TrainState``), the ones
+    ``kfl.with_batch``/``kfl.with_stats`` stored in the state; ``damping``
     overrides the configured one for that call (see ``damping``);
     ``loss`` (``Estimate.loss``; else ``batch=``'s statistics pass's) is
     kept for ``kfl.health`` (``_health_state``). The layers and blocks it
