@@ -15,6 +15,7 @@ TOP_LEVEL = {
     "kfac", "KfacState", "kfac_optimizer", "KfacOptimizerState",
     "eigen_adam", "EigenAdamState", "CurvatureOptions", "PreconditionerOptions",
     "value_grad_and_stats", "stats_due", "Estimate", "ESTIMATIONS",
+    "with_batch", "with_stats", "inject_hyperparams",
     "describe", "health", "Health",
     "PredictiveDistribution", "gaussian_nll", "l2_loss", "registered_loss",
     "sigmoid_binary_cross_entropy", "softmax_cross_entropy",

@@ -167,14 +167,23 @@ def test_refresh_caches_power_or_eigendecomposition():
 def test_cache_keeps_only_what_its_kind_needs():
   n, nbytes = 5, lambda t: sum(x.nbytes for x in jax.tree.leaves(t))
   power, eig = fac.init_factor(n), fac.init_factor(n, cache="eigh")
-  # cov + one n×n array (+ the scalars: weight, three counters/steps).
-  assert nbytes(power) == 4 * (2 * n * n) + 4 * 4
-  assert nbytes(eig) == 4 * (2 * n * n + n) + 4 * 4
-  assert power.cache.eigvecs.size == power.cache.eigvals.size == 0
-  assert eig.cache.matpower.size == 0
+  # cov + one n×n array (+ the scalars: weight, three counters/steps, and
+  # one-element placeholders for what the kind does not keep: never
+  # zero-size, which orbax cannot save).
+  assert nbytes(power) == 4 * (2 * n * n) + 4 * 4 + 4 * 2
+  assert nbytes(eig) == 4 * (2 * n * n + n) + 4 * 4 + 4 * 1
+  assert power.cache.eigvecs.size == power.cache.eigvals.size == 1
+  assert eig.cache.matpower.size == 1
   assert fac.cache_kind(power) == "power" and fac.cache_kind(eig) == "eigh"
+  for dim in (1, 2):  # A one-element factor reads its kind and form too.
+    for diagonal in (False, True):
+      for kind in ("power", "eigh"):
+        f = fac.init_factor(dim, diagonal=diagonal, cache=kind)
+        assert fac.cache_kind(f) == kind and fac.is_diagonal(f) == diagonal
+        assert all(x.size for x in jax.tree.leaves(f))
   diag = fac.init_factor(n, diagonal=True, batch_shape=(3,))
-  assert nbytes(diag) == 4 * (2 * 3 * n) + 4 * 4 and fac.is_diagonal(diag)
+  assert nbytes(diag) == 4 * (2 * 3 * n) + 4 * 4 + 4 * 3 * 2
+  assert fac.is_diagonal(diag)
   assert not fac.is_diagonal(fac.init_factor(n, batch_shape=(3,)))
   with pytest.raises(ValueError, match="cache must be one of"):
     fac.init_factor(n, cache="both")

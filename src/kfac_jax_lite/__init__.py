@@ -50,6 +50,10 @@ from kfac_jax_lite.optimizers.optimizer import kfac_optimizer as kfac_optimizer
 from kfac_jax_lite.estimators import ESTIMATIONS as ESTIMATIONS
 from kfac_jax_lite.estimators import Estimate as Estimate
 from kfac_jax_lite.optimizers.onepass import stats_due as stats_due
+from kfac_jax_lite.optimizers.pending import with_batch as with_batch
+from kfac_jax_lite.optimizers.hyperparams import (
+    inject_hyperparams as inject_hyperparams)
+from kfac_jax_lite.optimizers.pending import with_stats as with_stats
 from kfac_jax_lite.estimators import (
     value_grad_and_stats as value_grad_and_stats)
 from kfac_jax_lite.estimators import describe as describe
@@ -84,6 +88,8 @@ __all__ = [
     "CurvatureOptions", "PreconditionerOptions",
     # one pass: loss, gradient and curvature statistics
     "value_grad_and_stats", "stats_due", "Estimate", "ESTIMATIONS",
+    # training loops that pass no extra arguments (flax TrainState)
+    "with_batch", "with_stats", "inject_hyperparams",
     # inspection
     "describe", "health", "Health",
     # registered losses

@@ -80,9 +80,13 @@ AUTO_DEFAULT = "cholesky"
 class FactorCache(NamedTuple):
   """What the last refresh computed (see the module docstring)."""
 
-  eigvals: Array  # "eigh": eigenvalues of C clipped at 0, [..., n]; else [..., 0].
-  eigvecs: Array  # "eigh" and dense: eigenvectors [..., n, n]; else [..., 0].
-  matpower: Array  # "power": (C + d I)^p, [..., n, n] or [..., n]; else [..., 0].
+  # Fields a cache kind does not keep hold a one-element placeholder (never
+  # a zero-size array: orbax refuses to save those): ``[..., 1]`` for
+  # eigvals/eigvecs, ``[..., 1, 1, 1]`` for matpower, whose rank no real
+  # ``matpower`` has (``cache_kind`` reads it).
+  eigvals: Array  # "eigh": eigenvalues of C clipped at 0, [..., n]; else [..., 1].
+  eigvecs: Array  # "eigh" and dense: eigenvectors [..., n, n]; else [..., 1].
+  matpower: Array  # "power": (C + d I)^p, [..., n, n] or [..., n]; else [..., 1, 1, 1].
   step: Array  # int32: step of the last good refresh (-1: never).
   num_failed: Array  # int32: refreshes whose decomposition failed.
 
@@ -111,10 +115,12 @@ def init_factor(dim: int, *, diagonal: bool = False, batch_shape=(),
   vec = lambda: jnp.zeros(batch_shape + (dim,), dtype)
   mat = vec if diagonal else (
       lambda: jnp.zeros(batch_shape + (dim, dim), dtype))
-  empty = lambda: jnp.zeros(batch_shape + (0,), dtype)
+  # Placeholders for what the cache kind does not keep (``FactorCache``).
+  empty = lambda: jnp.zeros(batch_shape + (1,), dtype)
+  no_power = lambda: jnp.zeros(batch_shape + (1, 1, 1), dtype)
   if cache == "eigh":
     parts = dict(eigvals=vec(), eigvecs=empty() if diagonal else mat(),
-                 matpower=empty())
+                 matpower=no_power())
   else:
     parts = dict(eigvals=empty(), eigvecs=empty(), matpower=mat())
   return FactorState(
@@ -131,7 +137,8 @@ def is_diagonal(state: FactorState) -> bool:
 
 def cache_kind(state: FactorState) -> str:
   """``"power"`` or ``"eigh"``: what the factor's cache keeps."""
-  return "power" if state.cache.matpower.shape[-1] else "eigh"
+  # A kept matpower has the covariance's rank; the placeholder never does.
+  return "power" if state.cache.matpower.ndim == state.cov.ndim else "eigh"
 
 
 def check_inverse_method(method: str, where: str = "inverse_method") -> str:

@@ -31,6 +31,9 @@ class KfacState(NamedTuple):
     stats_due: int32, 1 when the next update accumulates statistics
       (``count % cov_every == 0``), else 0 (an int, not a bool, so that
       arithmetic over the state's leaves works); ``kfl.stats_due`` reads it.
+    pending: None, or the ``Pending`` batch/statistics that ``update``
+      uses when called without ``batch=``/``stats=`` (``kfl.with_batch``,
+      ``kfl.with_stats``); ``update`` returns it unchanged.
   """
 
   count: Any
@@ -42,3 +45,4 @@ class KfacState(NamedTuple):
   num_nonfinite_params: Any
   health: Any  # _health_state.HealthState
   stats_due: Any
+  pending: Any = None  # _pending.Pending or None

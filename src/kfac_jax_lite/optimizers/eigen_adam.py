@@ -132,6 +132,8 @@ from kfac_jax_lite.optimizers._eigenbasis import (
     basis_of, from_basis, is_factor, rebase_moments, refresh_factor,
     shampoo_stats, to_basis)
 from kfac_jax_lite.optimizers import _eigen_guard
+from kfac_jax_lite.optimizers import _find
+from kfac_jax_lite.optimizers import _pending
 from kfac_jax_lite.optimizers import options as O
 from kfac_jax_lite.optimizers import transform
 
@@ -151,13 +153,15 @@ class EigenAdamState(NamedTuple):
   blocks: dict  # rotated layer -> KroneckerState; caches: bases Q.
   mu_basis: dict  # rotated layer -> first moment m [groups, a, b], in its basis.
   nu_basis: dict  # rotated layer -> second moment v [groups, a, b], in its basis.
-  mu: tuple  # per parameter leaf: plain Adam's m (shape (0,) if rotated).
-  nu: tuple  # per parameter leaf: plain Adam's v (shape (0,) if rotated).
+  mu: tuple  # per parameter leaf: plain Adam's m (shape (1,) if rotated:
+  # a placeholder; never zero-size, which orbax cannot save).
+  nu: tuple  # per parameter leaf: plain Adam's v (shape (1,) if rotated).
   # The guard's counters and health summaries (``_eigen_guard``).
   num_bad_grads: Any = None  # int32: skipped for a non-finite gradient.
   num_bad_updates: Any = None  # int32: skipped for a non-finite update.
   num_nonfinite_params: Any = None  # int32: called with non-finite params.
   health: Any = None  # _health_state.HealthState, as in KfacState.
+  pending: Any = None  # _pending.Pending (kfl.with_batch/with_stats) or None.
 
 
 def inner_block(block) -> Any:
@@ -328,6 +332,8 @@ def _rotated(tagged):
 
 
 def _init(cfg: _EigenAdam, params) -> EigenAdamState:
+  params = _find.unwrap(params)  # nnx.Optimizer inits on Variables.
+  _find.check_unmasked(params, "kfl.eigen_adam")
   tagged = cfg.layers(params)
   if cfg.adam.basis == "kfac":
     estimators.check_has_loss(tagged, cfg.curvature.estimation,
@@ -343,7 +349,7 @@ def _init(cfg: _EigenAdam, params) -> EigenAdamState:
     stack = (l.block.n,) if isinstance(l.block, B.Stacked) else ()
     return jnp.zeros(stack + (lay.groups, lay.a, lay.b),
                      states[l.name].g.cov.dtype)
-  plain = lambda: tuple(jnp.zeros((0,), x.dtype) if i in covered
+  plain = lambda: tuple(jnp.zeros((1,), x.dtype) if i in covered
                         else jnp.zeros_like(x) for i, x in enumerate(leaves))
   return EigenAdamState(
       count=jnp.zeros((), jnp.int32), stats_due=jnp.ones((), jnp.int32),
@@ -370,8 +376,7 @@ def _step_of(cfg: _EigenAdam, updates, state, params, batch, stats) -> _Step:
     raise ValueError("eigen_adam needs params: tx.update(grads, state, "
                      "params, batch=batch)")
   if a.basis == "kfac" and stats is None and batch is None:
-    raise ValueError("eigen_adam(basis='kfac').update needs batch= (or "
-                     "precomputed stats=)")
+    raise ValueError(_pending.missing("eigen_adam(basis='kfac').update"))
   tagged = cfg.layers(params)
   layers = _rotated(tagged)
   leaves = jax.tree.leaves(updates)  # The gradients.
@@ -402,6 +407,8 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
   (SOAP) steps in the bases of the earlier gradients, then folds this one
   in (the first step only starts them)."""
   del extra_args
+  params, updates = _find.unwrap(params), _find.unwrap(updates)
+  batch, stats, loss = _pending.resolve(state, batch, stats, loss)
   stats, run = estimators.split_run(stats)
   if loss is None and run is not None:
     loss = run["loss"]
@@ -428,7 +435,7 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
       stats_due=(jnp.mod(count_inc, cfg.curvature.cov_every) == 0
                  ).astype(jnp.int32),
       key=jax.random.split(state.key)[0], blocks=states, mu_basis=mu_b,
-      nu_basis=nu_b, mu=tuple(mu), nu=tuple(nu))
+      nu_basis=nu_b, mu=tuple(mu), nu=tuple(nu), pending=state.pending)
   bad = None if run is None else run["bad_targets"]
   if cfg.curvature.axis_name is not None:  # One verdict on every device.
     loss, bad = jax.lax.pmean((loss, bad), cfg.curvature.axis_name)

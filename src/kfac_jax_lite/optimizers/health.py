@@ -27,6 +27,7 @@ import optax
 from jax.typing import ArrayLike
 
 from kfac_jax_lite import factor as fac
+from kfac_jax_lite.optimizers import _find
 from kfac_jax_lite.optimizers import _health_state
 from kfac_jax_lite.optimizers import eigen_adam
 from kfac_jax_lite.optimizers import optimizer
@@ -314,9 +315,8 @@ def loss_course(losses):
   return len(values), start, recent
 
 
-def _is_state(x):
-  return isinstance(x, (transform.KfacState, optimizer.KfacOptimizerState,
-                        eigen_adam.EigenAdamState))
+_KINDS = (optimizer.KfacOptimizerState, transform.KfacState,
+          eigen_adam.EigenAdamState)
 
 
 def _guard_view(s):
@@ -404,8 +404,13 @@ def health(state: optax.OptState,
            losses: ArrayLike | Sequence[float] | None = None) -> Health:
   """The health counters of every K-FAC state inside ``state``, summed.
 
-  ``state`` is any pytree holding ``kfl.kfac`` or ``kfl.kfac_optimizer``
-  states (e.g. the state of ``optax.chain(kfl.kfac(...), ...)``). Prints
+  ``state`` is any pytree holding ``kfl.kfac``, ``kfl.kfac_optimizer`` or
+  ``kfl.eigen_adam`` states (e.g. the state of ``optax.chain(kfl.kfac(...),
+  ...)``), nested in any optax combinator (``MultiSteps``,
+  ``inject_hyperparams``, ``apply_if_finite``, ``multi_transform``, ...),
+  its leaves in flax wrappers or not (``nnx.Optimizer``'s ``opt_state``);
+  an ``eigen_adam`` state gives the same counters as ``kfl.kfac``'s but
+  the damping's and the clip's, which it has none of. Prints
   as one line; ``.ok`` is False when any counter is non-zero, the
   parameters blew up (``Health.blew_up``) or the loss stalled
   (``Health.stalled``). A pmapped state (a leading device axis) counts its
@@ -413,7 +418,7 @@ def health(state: optax.OptState,
   sequence of scalars), judged instead of those the state kept (which
   has them only when ``update`` got ``loss=`` or ``batch=``).
   """
-  found = [x for x in jax.tree.leaves(state, is_leaf=_is_state) if _is_state(x)]
+  found = _find.states(state, _KINDS)
   if not found:
     raise ValueError("kfl.health: no kfl.kfac, kfl.kfac_optimizer or "
                      f"kfl.eigen_adam state found in {type(state).__name__}")

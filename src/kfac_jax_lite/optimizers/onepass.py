@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import optax
 
+from kfac_jax_lite.optimizers import _find
 from kfac_jax_lite.optimizers._state import KfacState
 from kfac_jax_lite.optimizers.eigen_adam import EigenAdamState
 
@@ -17,15 +18,16 @@ def stats_due(state: optax.OptState) -> jax.Array:
   accumulates statistics.
 
   ``state``: an optax state holding one ``kfl.kfac`` state (its own, a
-  chain's, or ``kfl.kfac_optimizer``'s) or one ``kfl.eigen_adam`` state.
+  chain's, or ``kfl.kfac_optimizer``'s) or one ``kfl.eigen_adam`` state,
+  nested in any optax combinator (``MultiSteps``, ``inject_hyperparams``,
+  ``apply_if_finite``, ``masked``, ``multi_transform``, ...) and with its
+  leaves in flax wrappers or not (``nnx.Optimizer``'s ``opt_state``).
   Returns a scalar boolean from its ``stats_due``: ``count % cov_every ==
   0`` for the update to come; pass it as ``est_fn(...,
   with_stats=kfl.stats_due(state))`` so the statistics are computed only
   on the steps that use them (module doc).
   """
-  kinds = (KfacState, EigenAdamState)
-  found = [s for s in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, kinds)) if isinstance(s, kinds)]
+  found = _find.states(state, (KfacState, EigenAdamState))
   if len(found) != 1:
     raise ValueError(
         "kfl.stats_due needs an optax state that holds exactly one kfl.kfac "

@@ -96,6 +96,8 @@ import optax
 from kfac_jax_lite import estimators
 from kfac_jax_lite.factor import float_dtype
 from kfac_jax_lite.optimizers import options as O
+from kfac_jax_lite.optimizers import _find
+from kfac_jax_lite.optimizers import _pending
 from kfac_jax_lite.optimizers import transform
 
 
@@ -114,6 +116,9 @@ class KfacOptimizerState(NamedTuple):
     momentum: ``μ`` of the last step.
     rho: the last reduction ratio ``ρ`` (``reduction_ratio``), from the
       last step that adapted the damping.
+    pending: None, or the ``Pending`` batch (and statistics) ``update``
+      uses when called without ``batch=`` (``kfl.with_batch``,
+      ``kfl.with_stats``); returned unchanged.
   """
 
   kfac: transform.KfacState
@@ -122,6 +127,7 @@ class KfacOptimizerState(NamedTuple):
   learning_rate: Any
   momentum: Any
   rho: Any
+  pending: Any = None  # _pending.Pending or None
 
 
 def _tree_dot(a, b):
@@ -458,6 +464,8 @@ class _Optimizer(NamedTuple):
 
 
 def _init(cfg: _Optimizer, params) -> KfacOptimizerState:
+  params = _find.unwrap(params)  # nnx.Optimizer inits on Variables.
+  _find.check_unmasked(params, "kfl.kfac_optimizer")
   cfg.tagged(params)  # Refuse a loss_fn without a loss here, not at a step.
   zeros = jax.tree.map(jnp.zeros_like, params)
   scalar = lambda x: jnp.asarray(x, float_dtype(params))
@@ -473,8 +481,14 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
   ``α`` and ``μ`` (``_model_step``) and, every ``interval`` steps, the
   damping's adaptation (``_adapt``)."""
   del extra_args
-  if params is None or batch is None:
+  if params is None:
     raise ValueError("kfac_optimizer.update needs params and batch=")
+  params, updates = _find.unwrap(params), _find.unwrap(updates)
+  batch, stats, loss = _pending.resolve(state, batch, stats, loss)
+  if batch is None:
+    raise ValueError(_pending.missing(
+        "kfac_optimizer.update", "batch= (its quadratic model evaluates "
+        "the loss on it; stats= are optional)"))
   a = cfg.adaptation
   dtype = float_dtype(params)
   lam = state.damping.astype(dtype)
@@ -495,7 +509,8 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
       kstate, new_lam.astype(state.damping.dtype),
       jax.tree.map(lambda s, v: s.astype(v.dtype), step, state.velocity),
       coeffs[0].astype(state.learning_rate.dtype),
-      coeffs[1].astype(state.momentum.dtype), rho.astype(state.rho.dtype))
+      coeffs[1].astype(state.momentum.dtype), rho.astype(state.rho.dtype),
+      state.pending)
   return _skip_if_guarded(state, new_state, step)
 
 

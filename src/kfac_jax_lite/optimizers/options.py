@@ -183,7 +183,9 @@ class PreconditionerOptions(NamedTuple):
     if not _positive_int(self.inverse_every):
       raise ValueError(f"inverse_every must be a positive int, got "
                        f"{self.inverse_every!r}")
-    if self.norm_constraint is not None and not self.norm_constraint > 0:
+    if (self.norm_constraint is not None
+        and not isinstance(self.norm_constraint, jax.core.Tracer)
+        and not self.norm_constraint > 0):  # Traced: kfl.inject_hyperparams.
       raise ValueError(f"norm_constraint must be positive (or None), got "
                        f"{self.norm_constraint!r}")
     check_damping(self.damping)

@@ -84,6 +84,8 @@ from kfac_jax_lite import estimators
 from kfac_jax_lite import tagging
 from kfac_jax_lite.factor import all_finite, float_dtype
 from kfac_jax_lite.optimizers import _detection
+from kfac_jax_lite.optimizers import _find
+from kfac_jax_lite.optimizers import _pending
 from kfac_jax_lite.optimizers import _health_state
 from kfac_jax_lite.optimizers import _layouts
 from kfac_jax_lite.optimizers import _restore_check
@@ -181,7 +183,9 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     ``update(grads, state, params, *, batch=None, stats=None,
     damping=None, loss=None)``, which needs ``params`` and either
     ``batch=`` (the statistics take their own pass on its first
-    ``stats_fraction``) or ``stats=`` (an ``Estimate.stats``); ``damping``
+    ``stats_fraction``) or ``stats=`` (an ``Estimate.stats``), or, for a
+    loop that passes no extra arguments (flax's ``TrainState``), the ones
+    ``kfl.with_batch``/``kfl.with_stats`` stored in the state; ``damping``
     overrides the configured one for that call (see ``damping``);
     ``loss`` (``Estimate.loss``; else ``batch=``'s statistics pass's) is
     kept for ``kfl.health`` (``_health_state``). The layers and blocks it
@@ -308,6 +312,8 @@ def _init(cfg: _Kfac, params) -> KfacState:
   """``tx.init``: refuses here, the first point with params to trace, what
   the first step would refuse; then the blocks' fresh states."""
   c = cfg.curvature
+  params = _find.unwrap(params)  # nnx.Optimizer inits on Variables.
+  _find.check_unmasked(params, "kfl.kfac")
   tagged = cfg.layers(params)
   estimators.check_has_loss(tagged, c.estimation, "kfl.kfac")
   refused = estimators.first_step_refusal(
@@ -341,8 +347,10 @@ def _update(cfg: _Kfac, updates, state, params=None, *, batch=None,
   if params is None:
     raise ValueError("kfac needs params: call tx.update(grads, state, params, "
                      "batch=batch)")
+  params, updates = _find.unwrap(params), _find.unwrap(updates)
+  batch, stats, loss = _pending.resolve(state, batch, stats, loss)
   if stats is None and batch is None:
-    raise ValueError("kfac.update needs batch= (or precomputed stats=)")
+    raise ValueError(_pending.missing("kfac.update"))
   mesh, axis_name = cfg.preconditioner.mesh, cfg.curvature.axis_name
   if mesh is not None and not _sharded_step.axis_is_bound(axis_name):
     examples = None if batch is None else cfg.layers(params, batch).examples

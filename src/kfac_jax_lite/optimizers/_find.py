@@ -1,0 +1,75 @@
+"""Finding the K-FAC states inside any optax state, and the arrays inside
+framework wrappers: one finder for ``kfl.stats_due``, ``kfl.health``,
+``kfl.with_batch`` and ``kfl.with_stats``.
+
+An optax state nests its transforms' states however the user composed
+them: ``chain``/``named_chain`` (tuples, dicts), ``MultiSteps``
+(``inner_opt_state``), ``inject_hyperparams`` (``inner_state``),
+``apply_if_finite``, ``masked`` and ``multi_transform`` (``inner_states``).
+All are pytrees, so ``jax.tree`` walks them with the K-FAC states as
+leaves (``states``, ``replace``). Framework wrappers around the arrays
+(flax ``nnx.Variable``, and ``nnx.Optimizer``'s ``OptArray`` around every
+optax state leaf) are pytrees whose flattening adds a path element
+(``.value``): ``unwrap`` returns the same tree with their values, so that
+layer names and counters read the same whichever way the tree was built.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import optax
+
+
+def is_wrapper(x) -> bool:
+  """Whether ``x`` is a flax ``Variable`` (``nnx.Param``, ``OptArray``,
+  ...): an object of a ``flax`` module with ``get_value``. Duck-typed, so
+  that flax stays an optional dependency."""
+  t = type(x)
+  return t.__module__.startswith("flax.") and hasattr(t, "get_value")
+
+
+def unwrap(tree):
+  """``tree`` with every flax ``Variable`` replaced by its value (a tree
+  without wrappers is returned as it is)."""
+  if not any(is_wrapper(x) for x in jax.tree.leaves(tree, is_leaf=is_wrapper)):
+    return tree
+  return jax.tree.map(lambda x: x.get_value() if is_wrapper(x) else x, tree,
+                      is_leaf=is_wrapper)
+
+
+def states(state, kinds: tuple) -> list:
+  """Every state of one of the NamedTuple types ``kinds`` inside the optax
+  state ``state`` (any nesting; module docstring), outermost first and
+  without looking inside a found one, with wrappers unwrapped."""
+  is_kind = lambda x: isinstance(x, kinds)
+  return [unwrap(s) for s in jax.tree.leaves(unwrap(state), is_leaf=is_kind)
+          if is_kind(s)]
+
+
+def replace(state, kinds: tuple, fn: Callable[[Any], Any]):
+  """``state`` with every state of a type in ``kinds`` (not looking inside
+  a found one) replaced by ``fn(it)``; the number replaced is checked by
+  the caller through ``states``."""
+  is_kind = lambda x: isinstance(x, kinds)
+  return jax.tree.map(lambda x: fn(x) if is_kind(x) else x, state,
+                      is_leaf=is_kind)
+
+
+def check_unmasked(params, where: str) -> None:
+  """Refuses ``params`` with ``optax.MaskedNode`` leaves: a K-FAC
+  transform inside ``optax.masked``/``optax.multi_transform`` gets only its
+  share of the parameters, but its tagging traces ``loss_fn`` on the whole
+  model. The error names the pattern that works: K-FAC on the full tree
+  with the frozen parameters excluded, and the mask after it."""
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)
+  if any(is_masked(x) for x in jax.tree.leaves(params, is_leaf=is_masked)):
+    raise ValueError(
+        f"{where} got parameters with optax.MaskedNode leaves: it is inside "
+        "optax.masked or optax.multi_transform, which hand it only part of "
+        "the model, but it traces loss_fn on the whole model. Put it "
+        "outside, on the full tree, with the other parameters excluded from "
+        "the curvature, and the partition after it: optax.chain("
+        f"{where}(loss_fn, batch, exclude=[...frozen paths...]), "
+        "optax.multi_transform({'train': optax.sgd(lr), 'frozen': "
+        "optax.set_to_zero()}, labels))")

@@ -1,0 +1,377 @@
+"""K-FAC in the training loops people write (issue 37): each framework's
+loop as its documentation writes it, with the README's K-FAC usage and at
+most the one line the README shows for that framework, a few steps on one
+tiny MLP and one fixed batch; the loss must fall.
+
+* flax linen ``TrainState.apply_gradients`` (no extra arguments):
+  ``kfl.with_batch``/``kfl.with_stats`` put the batch (or one-pass
+  statistics) in the optax state, for ``kfac``, ``kfac_optimizer`` and
+  ``eigen_adam``; an update with nothing pending names the fix;
+* flax nnx ``nnx.Optimizer(model, tx, wrt=nnx.Param)``: init on
+  ``Variable``s, update on arrays, the same layers (``_find.unwrap``);
+  ``kfl.stats_due``/``kfl.health`` read its ``OptArray`` state;
+* Equinox ``filter_value_and_grad``/``filter_jit`` with a
+  partition/combine loss;
+* Haiku ``transform_with_state`` with the state in the batch;
+* ``optax.multi_transform`` freezing a layer: K-FAC outside with
+  ``exclude=``; inside, a clear refusal;
+* ``optax.MultiSteps`` around a loop with ``kfl.with_batch``, and the finder
+  of ``stats_due``/``health`` through every combinator.
+
+Orbax checkpoints: ``tests/test_checkpoints.py``.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import kfac_jax_lite as kfl
+
+X = jax.random.normal(jax.random.PRNGKey(0), (32, 5))
+Y = jnp.argmax(X[:, :3] + 0.3 * X[:, 3:4], -1)
+BATCH = (X, Y)
+STEPS = 6
+
+
+def _falls(losses):
+  # A loss that cannot fall from its start fails: the first is the
+  # untrained model's, the last after STEPS updates.
+  assert all(jnp.isfinite(jnp.asarray(losses))), losses
+  assert losses[-1] < 0.9 * losses[0], losses
+
+
+# ------------------------------------------------------------ flax linen
+
+
+def _linen():
+  import flax.linen as nn
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3)(jnp.tanh(nn.Dense(8)(x)))
+  model = MLP()
+  params = model.init(jax.random.PRNGKey(1), X)
+
+  def loss_fn(params, batch):
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(
+        model.apply(params, x), y).mean()
+  return model, params, loss_fn
+
+
+LINEN_TX = {
+    "kfac": lambda loss_fn: optax.chain(kfl.kfac(loss_fn, BATCH),
+                                        optax.sgd(0.1, momentum=0.9)),
+    "kfac_optimizer": lambda loss_fn: kfl.kfac_optimizer(loss_fn, BATCH),
+    "eigen_adam": lambda loss_fn: optax.chain(kfl.eigen_adam(loss_fn, BATCH),
+                                              optax.scale(-0.03)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LINEN_TX))
+def test_linen_train_state_with_batch(name):
+  from flax.training import train_state
+  model, params, loss_fn = _linen()
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=LINEN_TX[name](loss_fn))
+
+  @jax.jit
+  def train_step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    # The one added line: the batch for the K-FAC update, in the state.
+    state = state.replace(opt_state=kfl.with_batch(state.opt_state, batch))
+    return state.apply_gradients(grads=grads), loss
+
+  losses = []
+  for _ in range(STEPS):
+    state, loss = train_step(state, BATCH)
+    losses.append(float(loss))
+  _falls(losses)
+  assert kfl.health(state.opt_state).steps == STEPS
+
+
+def test_linen_train_state_with_stats_one_pass():
+  from flax.training import train_state
+  model, params, loss_fn = _linen()
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH, cov_every=2),
+                   optax.sgd(0.1, momentum=0.9))
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=tx)
+  est_fn = kfl.value_grad_and_stats(loss_fn, params, BATCH)
+
+  @jax.jit
+  def train_step(state, batch, key):
+    est = est_fn(state.params, batch, key,
+                 with_stats=kfl.stats_due(state.opt_state))
+    state = state.replace(opt_state=kfl.with_stats(state.opt_state, est))
+    return state.apply_gradients(grads=est.grads), est.loss
+
+  losses = []
+  for i in range(STEPS):
+    state, loss = train_step(state, BATCH, jax.random.PRNGKey(i))
+    losses.append(float(loss))
+  _falls(losses)
+  assert kfl.health(state.opt_state).num_losses == STEPS
+
+
+def test_train_state_without_batch_names_the_fix():
+  from flax.training import train_state
+  model, params, loss_fn = _linen()
+  for tx in (optax.chain(kfl.kfac(loss_fn, BATCH), optax.sgd(0.1)),
+             kfl.kfac_optimizer(loss_fn, BATCH), kfl.eigen_adam(loss_fn, BATCH)):
+    state = train_state.TrainState.create(apply_fn=model.apply,
+                                          params=params, tx=tx)
+    grads = jax.grad(loss_fn)(params, BATCH)
+    with pytest.raises(ValueError, match=r"kfl\.with_batch\(state\.opt_state"):
+      state.apply_gradients(grads=grads)
+
+
+def test_with_batch_refuses_a_state_without_kfac():
+  with pytest.raises(ValueError, match="no kfl.kfac"):
+    kfl.with_batch(optax.sgd(0.1).init({"w": jnp.zeros(2)}), BATCH)
+
+
+# -------------------------------------------------------------- flax nnx
+
+
+def test_nnx_optimizer_as_documented():
+  from flax import nnx
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(5, 8, rngs=rngs)
+      self.l2 = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jnp.tanh(self.l1(x)))
+
+  model = MLP(nnx.Rngs(0))
+  graphdef, _ = nnx.split(model)
+
+  def loss_fn(params, batch):  # K-FAC's loss: of the pure parameters.
+    x, y = batch
+    logits = nnx.merge(graphdef, params)(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH), optax.sgd(0.1, momentum=0.9))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, batch):
+    def loss(model):
+      x, y = batch
+      return optax.softmax_cross_entropy_with_integer_labels(
+          model(x), y).mean()
+    value, grads = nnx.value_and_grad(loss)(model)
+    optimizer.update(model, grads, batch=batch)
+    return value
+
+  losses = [float(train_step(model, optimizer, BATCH)) for _ in range(STEPS)]
+  _falls(losses)
+  # The same layers whichever wrapper: named as the pure parameters.
+  state = optimizer.opt_state
+  assert sorted(kfl.health(state).__class__._fields)  # reads OptArrays
+  assert kfl.health(state).steps == STEPS
+  assert bool(kfl.stats_due(state))
+  kstate = [s for s in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, kfl.KfacState))
+            if isinstance(s, kfl.KfacState)][0]
+  assert sorted(kstate.blocks) == ["l1/kernel", "l2/kernel"]
+
+
+# -------------------------------------------------------------- Equinox
+
+
+def test_equinox_filter_loop():
+  import equinox as eqx
+  model = eqx.nn.MLP(5, 3, 8, depth=1, activation=jnp.tanh,
+                     key=jax.random.PRNGKey(2))
+
+  def loss(model, batch):  # Equinox's loss, of the model.
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(
+        jax.vmap(model)(x), y).mean()
+
+  params, static = eqx.partition(model, eqx.is_array)
+  # The one added line: K-FAC's loss takes the arrays (non-array leaves
+  # such as the activation are None there) and combines them back.
+  loss_fn = lambda p, batch: loss(eqx.combine(p, static), batch)
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH), optax.sgd(0.1, momentum=0.9))
+  opt_state = tx.init(eqx.filter(model, eqx.is_array))
+
+  @eqx.filter_jit
+  def make_step(model, opt_state, batch):
+    value, grads = eqx.filter_value_and_grad(loss)(model, batch)
+    updates, opt_state = tx.update(grads, opt_state,
+                                   eqx.filter(model, eqx.is_array),
+                                   batch=batch)
+    return eqx.apply_updates(model, updates), opt_state, value
+
+  losses = []
+  for _ in range(STEPS):
+    model, opt_state, value = make_step(model, opt_state, BATCH)
+    losses.append(float(value))
+  _falls(losses)
+
+
+# ---------------------------------------------------------------- Haiku
+
+
+def test_haiku_transform_with_state():
+  import haiku as hk
+
+  def forward(x):
+    h = jnp.tanh(hk.Linear(8)(x))
+    h = h + hk.get_state("shift", (), init=jnp.zeros)
+    return hk.Linear(3)(h)
+  net = hk.transform_with_state(forward)
+  params, net_state = net.init(jax.random.PRNGKey(3), X)
+
+  def loss_fn(params, batch):  # The state rides in the batch (README).
+    (x, y), net_state = batch
+    logits, _ = net.apply(params, net_state, None, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  tx = optax.chain(kfl.kfac(loss_fn, (BATCH, net_state)),
+                   optax.sgd(0.1, momentum=0.9))
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def update(params, net_state, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, (batch, net_state))
+    updates, opt_state = tx.update(grads, opt_state, params,
+                                   batch=(batch, net_state))
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  losses = []
+  for _ in range(STEPS):
+    params, opt_state, loss = update(params, net_state, opt_state, BATCH)
+    losses.append(float(loss))
+  _falls(losses)
+
+
+# ------------------------------------------- masked and partitioned params
+
+
+def _frozen_labels(params):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "frozen" if "Dense_0" in jax.tree_util.keystr(path)
+      else "train", params)
+
+
+def test_multi_transform_freezing_a_layer():
+  _, params, loss_fn = _linen()
+  labels = _frozen_labels(params)
+  # K-FAC on the full tree, the frozen layer excluded; the partition after.
+  tx = optax.chain(
+      kfl.kfac(loss_fn, BATCH, exclude=["params/Dense_0/*"]),
+      optax.multi_transform({"train": optax.sgd(0.3, momentum=0.9),
+                             "frozen": optax.set_to_zero()}, labels))
+  state = tx.init(params)
+  step = jax.jit(lambda p, s: _plain_step(tx, loss_fn, p, s))
+  losses, p = [], params
+  for _ in range(STEPS):
+    p, state, loss = step(p, state)
+    losses.append(float(loss))
+  _falls(losses)
+  frozen = params["params"]["Dense_0"]
+  assert all(jax.tree.leaves(jax.tree.map(
+      lambda a, b: bool(jnp.array_equal(a, b)), frozen, p["params"]["Dense_0"])))
+
+
+def _plain_step(tx, loss_fn, params, state):
+  loss, grads = jax.value_and_grad(loss_fn)(params, BATCH)
+  updates, state = tx.update(grads, state, params, batch=BATCH)
+  return optax.apply_updates(params, updates), state, loss
+
+
+@pytest.mark.parametrize("wrap", ["masked", "multi_transform"])
+def test_kfac_inside_a_mask_is_refused_naming_exclude(wrap):
+  _, params, loss_fn = _linen()
+  labels = _frozen_labels(params)
+  inner = optax.chain(kfl.kfac(loss_fn, BATCH), optax.sgd(0.1))
+  tx = (optax.masked(inner, jax.tree.map(lambda l: l == "train", labels))
+        if wrap == "masked" else
+        optax.multi_transform({"train": inner, "frozen": optax.set_to_zero()},
+                              labels))
+  with pytest.raises(ValueError, match="MaskedNode.*exclude="):
+    tx.init(params)
+
+
+# ------------------------------------------------------------ MultiSteps
+
+
+def test_multisteps_with_batch_and_finders_through_combinators():
+  from flax.training import train_state
+  model, params, loss_fn = _linen()
+  tx = optax.MultiSteps(optax.chain(kfl.kfac(loss_fn, BATCH),
+                                    optax.sgd(0.1, momentum=0.9)),
+                        every_k_schedule=2)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=tx)
+
+  @jax.jit
+  def train_step(state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    state = state.replace(opt_state=kfl.with_batch(state.opt_state, batch))
+    return state.apply_gradients(grads=grads), loss
+
+  losses = []
+  for _ in range(2 * STEPS):
+    state, loss = train_step(state, BATCH)
+    losses.append(float(loss))
+  _falls(losses)
+  assert kfl.health(state.opt_state).steps == STEPS  # One per emitted step.
+  assert bool(kfl.stats_due(state.opt_state))
+  # One finder for every combinator that holds the state.
+  for wrapped in (optax.apply_if_finite(optax.chain(kfl.kfac(loss_fn, BATCH)),
+                                        3),
+                  optax.named_chain(("k", kfl.kfac(loss_fn, BATCH)),
+                                    ("s", optax.sgd(0.1))),
+                  kfl.inject_hyperparams(kfl.kfac)(loss_fn, BATCH),
+                  optax.masked(kfl.kfac(loss_fn, BATCH),
+                               jax.tree.map(lambda _: True, params))):
+    s = wrapped.init(params)
+    assert kfl.health(s).steps == 0 and bool(kfl.stats_due(s))
+    pending = kfl.with_batch(s, BATCH)
+    assert [x.pending.batch for x in jax.tree.leaves(
+        pending, is_leaf=lambda x: isinstance(x, kfl.KfacState))
+            if isinstance(x, kfl.KfacState)] == [BATCH]
+
+
+def test_inject_hyperparams_schedules_damping_and_the_bound():
+  _, params, loss_fn = _linen()
+  # Ints and strings (num_samples, inverse_every, ...) are static; the
+  # damping and the KL bound are injected (a schedule, or set by hand).
+  tx = optax.chain(
+      kfl.inject_hyperparams(kfl.kfac)(
+          loss_fn, BATCH, damping=optax.linear_schedule(1e-2, 1e-3, 10),
+          norm_constraint=1.0),
+      optax.sgd(0.1, momentum=0.9))
+  state = tx.init(params)
+  step = jax.jit(lambda p, s: _plain_step(tx, loss_fn, p, s))
+  losses, p = [], params
+  for _ in range(STEPS):
+    p, state, loss = step(p, state)
+    losses.append(float(loss))
+  _falls(losses)
+  assert kfl.health(state).steps == STEPS
+  np_damping = float(state[0].hyperparams["damping"])
+  assert abs(np_damping - (1e-2 - 9e-3 * (STEPS - 1) / 10)) < 1e-6
+  with pytest.raises(ValueError, match="not arguments"):
+    kfl.inject_hyperparams(kfl.kfac, injected=("lr",))
+
+
+def test_health_reads_eigen_adam():
+  _, params, loss_fn = _linen()
+  tx = kfl.eigen_adam(loss_fn, BATCH)
+  s = tx.init(params)
+  h = kfl.health(s)
+  assert h.steps == 0 and h.unready_blocks == 2
+  grads = jax.grad(loss_fn)(params, BATCH)
+  _, s = jax.jit(functools.partial(tx.update, batch=BATCH))(grads, s, params)
+  h = kfl.health(s)
+  assert h.steps == 1 and h.unready_blocks == 0 and h.ok
