@@ -35,6 +35,8 @@ of ``ℓ_i`` with the sampled targets.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -97,7 +99,8 @@ def _sampled_cotangents(tagged, caps, c_elems, c_i, key):
   return tuple(out)
 
 
-def example_data(tagged, params, batch, key, estimation):
+def example_data(tagged, params, batch, key, estimation
+                 ) -> tuple[dict, Any, Any]:
   """``({layer name: (ā [N,R,G,a], g [N,R,G,b])}, c_i [N], loss)``.
 
   ``g`` is ``∂ℓ_n/∂y`` of the per-example loss of the module docstring,

@@ -139,9 +139,9 @@ def fit(loss_fn, params, batches, *, strategy="ekfac", estimation="fisher",
                         num_examples=n)
 
 
-def _first(batches, where, again=False):
+def _first(batches, where, again=False) -> tuple[Any, Any]:
   """``(first batch, the rest)``, or, ``again``, a fresh iterator."""
-  it = batches() if callable(batches) else iter(batches)
+  it: Any = batches() if callable(batches) else iter(batches)
   if again:
     if it is batches:
       raise ValueError(f"{where}: strategy='ekfac' reads the batches twice; "

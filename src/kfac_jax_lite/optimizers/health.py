@@ -345,7 +345,7 @@ def _input_scale(found):
               if isinstance(s.blocks, sharding.ShardedBlocks) else s.blocks)
     for block in blocks.values():
       a = getattr(block, "a", None)
-      if not _is_factor(a):
+      if a is None or not _is_factor(a):
         continue
       cov, w = np.asarray(a.cov, np.float64), np.asarray(a.weight, np.float64)
       if cov.ndim < 2 or cov.shape[-1] != cov.shape[-2] or not np.all(w > 0):

@@ -184,8 +184,8 @@ class PreconditionerOptions(NamedTuple):
       raise ValueError(f"inverse_every must be a positive int, got "
                        f"{self.inverse_every!r}")
     if (self.norm_constraint is not None
-        and not isinstance(self.norm_constraint, jax.core.Tracer)
-        and not self.norm_constraint > 0):  # Traced: kfl.inject_hyperparams.
+        and not isinstance(self.norm_constraint, jax.Array)
+        and not self.norm_constraint > 0):  # An array: kfl.inject_hyperparams.
       raise ValueError(f"norm_constraint must be positive (or None), got "
                        f"{self.norm_constraint!r}")
     check_damping(self.damping)
