@@ -45,7 +45,10 @@ def bad_targets(tagged, caps):
 
 class Estimate(NamedTuple):
   """What one pass gives: ``stats`` maps each block name to its statistics,
-  ``weights`` are the examples' ``c_i``."""
+  plus the entry ``RUN_ENTRY`` (``"~run"``: the loss and the count of
+  targets outside their distribution's support, which ``kfl.kfac``'s
+  ``update(stats=)`` reads for its guards and ``kfl.health``; ``split_run``
+  separates them); ``weights`` are the examples' ``c_i``."""
 
   loss: Any
   aux: Any

@@ -38,6 +38,15 @@ def unwrap(tree):
                       is_leaf=is_wrapper)
 
 
+def rewrap(like, tree):
+  """``tree``, the unwrapped form of a tree shaped as ``like``, in
+  ``like``'s wrappers (``unwrap``'s inverse: an update computed on the
+  values is returned in the structure of the gradients it came from)."""
+  if like is tree:
+    return tree
+  return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(tree))
+
+
 def states(state, kinds: tuple) -> list:
   """Every state of one of the NamedTuple types ``kinds`` inside the optax
   state ``state`` (any nesting; module docstring), outermost first and

@@ -407,6 +407,7 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
   (SOAP) steps in the bases of the earlier gradients, then folds this one
   in (the first step only starts them)."""
   del extra_args
+  grads = updates  # Their structure (flax wrappers included) comes back.
   params, updates = _find.unwrap(params), _find.unwrap(updates)
   batch, stats, loss = _pending.resolve(state, batch, stats, loss)
   stats, run = estimators.split_run(stats)
@@ -441,7 +442,7 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
     loss, bad = jax.lax.pmean((loss, bad), cfg.curvature.axis_name)
   out, new_state = _eigen_guard.guarded(state, new_state, out, s.leaves,
                                         params, loss, bad)
-  return jax.tree.unflatten(treedef, out), new_state
+  return _find.rewrap(grads, jax.tree.unflatten(treedef, out)), new_state
 
 
 def _fold(cfg: _EigenAdam, s: _Step, blocks):

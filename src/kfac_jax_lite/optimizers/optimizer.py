@@ -483,6 +483,7 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
   del extra_args
   if params is None:
     raise ValueError("kfac_optimizer.update needs params and batch=")
+  grads = updates  # Their structure (flax wrappers included) comes back.
   params, updates = _find.unwrap(params), _find.unwrap(updates)
   batch, stats, loss = _pending.resolve(state, batch, stats, loss)
   if batch is None:
@@ -511,7 +512,8 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
       coeffs[0].astype(state.learning_rate.dtype),
       coeffs[1].astype(state.momentum.dtype), rho.astype(state.rho.dtype),
       state.pending)
-  return _skip_if_guarded(state, new_state, step)
+  step, new_state = _skip_if_guarded(state, new_state, step)
+  return _find.rewrap(grads, step), new_state
 
 
 def _skip_if_guarded(state, new_state, step):

@@ -347,6 +347,7 @@ def _update(cfg: _Kfac, updates, state, params=None, *, batch=None,
   if params is None:
     raise ValueError("kfac needs params: call tx.update(grads, state, params, "
                      "batch=batch)")
+  grads = updates  # Their structure (flax wrappers included) comes back.
   params, updates = _find.unwrap(params), _find.unwrap(updates)
   batch, stats, loss = _pending.resolve(state, batch, stats, loss)
   if stats is None and batch is None:
@@ -354,11 +355,13 @@ def _update(cfg: _Kfac, updates, state, params=None, *, batch=None,
   mesh, axis_name = cfg.preconditioner.mesh, cfg.curvature.axis_name
   if mesh is not None and not _sharded_step.axis_is_bound(axis_name):
     examples = None if batch is None else cfg.layers(params, batch).examples
-    return _layouts.on_mesh(functools.partial(_run, cfg), examples, updates,
-                            state, params, batch, stats, damping, loss,
-                            mesh=mesh, axis_name=axis_name)
-  return _run(cfg, updates, state, params, batch=batch, stats=stats,
-              damping=damping, loss=loss)
+    out, state = _layouts.on_mesh(
+        functools.partial(_run, cfg), examples, updates, state, params, batch,
+        stats, damping, loss, mesh=mesh, axis_name=axis_name)
+  else:
+    out, state = _run(cfg, updates, state, params, batch=batch, stats=stats,
+                      damping=damping, loss=loss)
+  return _find.rewrap(grads, out), state
 
 
 def _tagged_for_batch(cfg: _Kfac, params, batch, stats):
