@@ -13,7 +13,7 @@ from kfac_jax_lite import estimators
 from kfac_jax_lite.factor import float_dtype
 
 
-def _tree_dot(a, b):
+def tree_dot(a, b):
   """``⟨a, b⟩`` over all leaves (``optax.tree_utils.tree_vdot``), in the
   wider of their dtypes (at least float32)."""
   dtype = float_dtype((a, b))
@@ -21,7 +21,7 @@ def _tree_dot(a, b):
   return optax.tree_utils.tree_vdot(cast(a), cast(b))
 
 
-def _curvature_forms(tagged, params, batch, directions, curvature):
+def curvature_forms(tagged, params, batch, directions, curvature):
   """``(V_iᵀ (Jᵀ H J) V_j, L(θ))`` for the stacked ``directions`` [2, ...].
 
   Two passes (``estimators.linearized_outputs``): a backward one for the

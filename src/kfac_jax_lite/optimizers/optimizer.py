@@ -101,8 +101,8 @@ from kfac_jax_lite.optimizers import _pending
 from kfac_jax_lite.optimizers import transform
 # The quadratic model's math (its own module; these names stay here too).
 from kfac_jax_lite.optimizers._quadratic import (  # noqa: F401
-    _curvature_forms, _tree_dot, levenberg_marquardt, quadratic_model_step,
-    reduction_ratio)
+    curvature_forms as _curvature_forms, levenberg_marquardt,
+    quadratic_model_step, reduction_ratio, tree_dot as _tree_dot)
 
 
 class KfacOptimizerState(NamedTuple):
