@@ -4,7 +4,8 @@ from one forward pass.
 Layer 3. Owns the estimate (``_estimate``), the argument checks of the
 estimation modes (``_checks``), the statistics share (``_fraction``), the
 one-pass entry point ``value_grad_and_stats`` (``_onepass``), the first-step
-check (``_first_step``) and ``describe`` (``_describe``). May import:
+check (``_first_step``), ``describe`` (``_describe``) and the progress bar of
+the streamed fits (``_progress``). May import:
 ``factor``, ``blocks``, ``losses``, ``tagging``.
 
 Scale (one definition for every estimator, loss and reduction). For
@@ -135,6 +136,7 @@ from kfac_jax_lite.estimators._fraction import (
 from kfac_jax_lite.estimators._fraction import (
     stats_batch_size as stats_batch_size)
 from kfac_jax_lite.estimators._fraction import stats_slice as stats_slice
+from kfac_jax_lite.estimators._progress import progress as progress
 from kfac_jax_lite.estimators._onepass import (
     value_grad_and_stats as value_grad_and_stats)
 from kfac_jax_lite.estimators._first_step import (

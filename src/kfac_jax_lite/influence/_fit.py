@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_lite.blocks import ekfac as kfl_ekfac
+from kfac_jax_lite import estimators
 from kfac_jax_lite import tagging
 from kfac_jax_lite.influence import _data
 
@@ -159,7 +160,8 @@ def _stream(step, args, batches, key, progress):
   """Sum ``step(args, batch, key_b)`` over the batches: ``(sums, N)``."""
   step = jax.jit(step)
   total, n = None, 0
-  for b, batch in enumerate(progress_bar(batches, progress)):
+  for b, batch in enumerate(estimators.progress(batches, progress,
+                                                  "kfl.influence.fit")):
     part, count = step(args, batch, jax.random.fold_in(key, b))
     total = part if total is None else jax.tree.map(jnp.add, total, part)
     n += int(count)
@@ -201,14 +203,3 @@ def _diag_step(tagged, estimation):
         jnp.einsum("nrgi,nrgj->ngij", a, g))) for name, (a, g) in
             data.items()}, c_i.shape[0]
   return step
-
-
-def progress_bar(iterable, enabled):
-  if not enabled:
-    return iterable
-  try:
-    from tqdm.auto import tqdm
-  except ImportError:
-    return iterable
-  return tqdm(iterable, desc="kfl.influence.fit", unit="batch", disable=None,
-              leave=False)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kfac_jax_lite import estimators
 from kfac_jax_lite.influence import _data
 from kfac_jax_lite.influence import _fit
 
@@ -149,8 +150,8 @@ def pairwise_scores(state: _fit.InfluenceState, params, queries,
     return sum(jnp.einsum("nrgi,qgij,nrgj->qn", a, pre[k], g,
                           optimize="optimal")
                for k, (a, g) in data.items())
-  cols = [score(params, b, pre) for b in _fit.progress_bar(train_batches,
-                                                        progress)]
+  cols = [score(params, b, pre) for b in estimators.progress(
+      train_batches, progress, "kfl.influence.fit")]
   return jnp.concatenate(cols, axis=1)
 
 
@@ -189,4 +190,5 @@ def self_scores(state: _fit.InfluenceState, params, train_batches, *,
     return total
   arrays = _arrays(state)
   return jnp.concatenate([score(params, b, lam, arrays) for b in
-                          _fit.progress_bar(train_batches, progress)])
+                          estimators.progress(train_batches, progress,
+                                              "kfl.influence.fit")])

@@ -124,7 +124,8 @@ def fit(loss_fn, params, batches, *, structure="kron", estimation="exact_ggn",
 
   total = None
   batches = itertools.chain([first], iterator)
-  for b, batch in enumerate(_progress(batches, progress)):
+  for b, batch in enumerate(estimators.progress(batches, progress,
+                                                  "kfl.laplace.fit")):
     part = step(params, batch, jax.random.fold_in(key, b))
     total = part if total is None else _add(total, part)
   assert total is not None  # batches starts with first.
@@ -274,14 +275,3 @@ def _check_finite(curvature):
     raise ValueError(f"kfl.laplace.fit: the curvature of {bad} is not finite "
                      "(a batch gave non-finite statistics; check the loss and "
                      "the parameters at the MAP)")
-
-
-def _progress(iterable, enabled):
-  if not enabled:
-    return iterable
-  try:
-    from tqdm.auto import tqdm
-  except ImportError:
-    return iterable
-  return tqdm(iterable, desc="kfl.laplace.fit", unit="batch", disable=None,
-              leave=False)
