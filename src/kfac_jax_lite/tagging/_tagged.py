@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -166,6 +167,25 @@ class TaggedLoss:
     layer use probes (its output), in ``closed``'s keys."""
     return {self._uses[u].probe_key: l.name
             for l in self.layers for u in l.use_ids}
+
+  def positions(self, layer):
+    """Per example, how many rows ``layer``'s parameters write (for
+    ``describe``'s price): each use's output elements over the batch
+    (the steps of the scans that apply it and the slices of a stacked
+    layer included), divided by the number of examples and by the size of
+    one row (``LayerSpec.output_size``: a dense layer's output features, a
+    convolution's output channels), summed over the uses. A dense layer
+    once per example: 1; a 3x3 VALID convolution on 6x6: 16; a dense layer
+    inside a ``lax.scan`` of 5 steps: 5. None for a fallback."""
+    n = self.examples.size
+    total = 0.0
+    for k, i in enumerate(layer.use_ids):
+      u, size = self._uses[i], layer.spec.output_size(k)
+      if size is None:
+        return None
+      total += (math.prod(F.stacked_shape(u, u.probe_aval))
+                / ((n or u.examples) * size))
+    return total if layer.use_ids else None
 
   def layer(self, name):
     for l in self.layers:

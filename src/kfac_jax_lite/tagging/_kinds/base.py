@@ -13,6 +13,8 @@ are everything the library does differently per kind:
 * ``group(uses, leaf_shapes, depth)`` (classmethod) — the spec of a group
   of compatible uses of the same parameters, or ``Unsupported(reason)``;
 * ``param_shapes`` — the parameters of its block, in block order;
+* ``output_size(use)`` — the size of one row (position) of a use's output
+  (None for fallbacks; ``TaggedLoss.positions``);
 * ``default_block(damping_mode=, weight_sharing=)`` and
   ``block_for(choice, default)`` / ``with_options(default, options)`` —
   the curvature block for a ``blocks=`` choice (see ``kfac_jax_lite._block_policy``);
@@ -97,6 +99,15 @@ class LayerSpec(abc.ABC):
   @property
   def reason(self):
     """Why the parameters fell back (None for a detected layer)."""
+    return None
+
+  def output_size(self, use: int) -> int | None:
+    """The size of one row of use ``use``'s output (the elements one
+    application of the parameters writes: a dense layer's output features,
+    a convolution's output channels at one position); its output's other
+    elements are rows (positions). None when unknown (fallbacks).
+    ``TaggedLoss.positions`` counts the rows; ``describe`` prices them."""
+    del use
     return None
 
   @property

@@ -59,6 +59,11 @@ class ConvSpec(LayerSpec):
     return (f"conv applied {self.repeats} times per example (uses × scan "
             "steps): weight-sharing positions" if self.repeats > 1 else "")
 
+  def output_size(self, use):
+    """Output channels (one output position of the convolution)."""
+    del use
+    return self.kernel_shape[self.dimension_numbers.rhs_spec[0]]
+
   @property
   def param_shapes(self):
     k = tuple(self.kernel_shape)

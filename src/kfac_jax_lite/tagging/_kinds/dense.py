@@ -96,6 +96,14 @@ class DenseSpec(LayerSpec):
     return tuple(a for a in range(len(self.kernel_shape))
                  if a not in self.in_axes)
 
+  def output_size(self, use):
+    """Output features of one row: the kernel's output axes for a
+    ``"normal"`` use or a ``"lookup"`` (a row of the table), its input
+    axes for a ``"swapped"`` (transposed) one."""
+    k = tuple(self.kernel_shape)
+    axes = self.in_axes if self.roles[use] == "swapped" else self.out_axes
+    return math.prod(k[a] for a in axes)
+
   @property
   def param_shapes(self):
     k = tuple(self.kernel_shape)

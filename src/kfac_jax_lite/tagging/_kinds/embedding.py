@@ -29,6 +29,11 @@ class EmbeddingSpec(LayerSpec):
   vocab_size: int
   dim: int
 
+  def output_size(self, use):
+    """``dim``: one looked-up row."""
+    del use
+    return self.dim
+
   @property
   def param_shapes(self):
     return ((self.vocab_size, self.dim),)

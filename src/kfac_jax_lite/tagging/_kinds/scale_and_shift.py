@@ -9,6 +9,7 @@ The data is that input (zeros for a shift alone) and the cotangent of
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
@@ -30,6 +31,11 @@ class ScaleAndShiftSpec(LayerSpec):
   param_shape: tuple
   has_scale: bool
   has_shift: bool
+
+  def output_size(self, use):
+    """The parameters' (non-unit) size: one scaled and shifted row."""
+    del use
+    return math.prod(self.param_shape)
 
   @property
   def param_shapes(self):
