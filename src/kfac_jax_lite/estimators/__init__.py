@@ -4,7 +4,8 @@ from one forward pass.
 Layer 3. Owns the estimate (``_estimate``), the argument checks of the
 estimation modes (``_checks``), the statistics share (``_fraction``), the
 one-pass entry point ``value_grad_and_stats`` (``_onepass``), the first-step
-check (``_first_step``), ``describe`` (``_describe``) and the progress bar of
+check (``_first_step``), ``describe`` (``_describe``) with its step price
+(``_cost``: the FLOP model of a K-FAC step) and the progress bar of
 the streamed fits (``_progress``). May import:
 ``factor``, ``blocks``, ``losses``, ``tagging``.
 

@@ -8,7 +8,10 @@ import chex
 
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite import tagging
+from kfac_jax_lite import factor as fac
+from kfac_jax_lite.estimators import _cost
 from kfac_jax_lite.estimators import _first_step
+from kfac_jax_lite.estimators import _fraction
 from kfac_jax_lite.estimators._checks import (
     check_estimation, check_has_loss, partial_loss)
 
@@ -19,7 +22,11 @@ class Row(dict):
   Kronecker block: ``"expand"``/``"reduce"``, ``"expand (rows)"`` for a
   layer whose input rows are the uses, ``"-"`` otherwise), ``bytes`` (state
   bytes), ``uses``, ``stack``, ``notes`` (the fallback reason for
-  fallbacks). Fields read as keys or attributes."""
+  fallbacks), ``positions`` (rows per example the parameters write, all
+  uses, scan steps and slices: ``TaggedLoss.positions``; None for a
+  fallback) and ``flops`` (the block's price per step, an
+  ``estimators._cost.Flops``: ``sgd``, ``statistics``, ``precondition``,
+  ``refresh``). Fields read as keys or attributes."""
 
   __getattr__ = dict.__getitem__
 
@@ -49,6 +56,8 @@ class Table(list):
     total = self.total_bytes
     out.append(f"{len(self)} blocks, {total} bytes of state "
                f"({total / 2**20:.1f} MiB)")
+    if self.price_line:
+      out.append(self.price_line)
     out += self.loss_lines
     if self.first_step:
       out.append(f"first step: refused: {self.first_step}")
@@ -60,6 +69,32 @@ class Table(list):
   #: The error the first K-FAC step on the example batch would raise (what
   #: ``kfl.kfac`` refuses at ``tx.init``), or None (set by ``describe``).
   first_step: str | None = None
+  #: The settings the rows' ``flops`` were priced at (set by ``describe``).
+  price_settings: str = ""
+
+  @property
+  def price(self) -> _cost.Price:
+    """The step's price summed over the rows (``_cost.Price``: the
+    FLOPs, K-FAC's step over SGD's and each piece's share of SGD's)."""
+    return _cost.price([r["flops"] for r in self if r.get("flops")])
+
+  @property
+  def price_line(self) -> str:
+    """``step price: ~2.9x an SGD step (statistics 0.8x, ...)``; empty
+    for a table without prices."""
+    if not self.price_settings:
+      return ""
+    p = self.price
+    if p.ratio is None:
+      f = p.flops
+      return (f"step price: no SGD share known (fallbacks only): "
+              f"statistics {f.statistics:.3g}, preconditioning "
+              f"{f.precondition:.3g}, refresh {f.refresh:.3g} FLOPs per step "
+              f"at {self.price_settings}")
+    return (f"step price: ~{p.ratio:.2f}x an SGD step of these layers' FLOPs "
+            f"(statistics {p.statistics:.2f}x, preconditioning "
+            f"{p.precondition:.2f}x, refresh {p.refresh:.2f}x per step at "
+            f"{self.price_settings})")
 
   @property
   def total_bytes(self):
@@ -69,19 +104,46 @@ class Table(list):
   __repr__ = __str__
 
 
-def rows(tagged):
-  """The rows of a ``TaggedLoss`` whose layers have their blocks."""
+def rows(tagged, pricing=None):
+  """The rows of a ``TaggedLoss`` whose layers have their blocks, priced
+  with ``pricing`` (keyword arguments of ``block_flops`` but the layer's;
+  None: ``flops`` None)."""
   table = Table()
   for l in tagged.layers:
     block = B.as_block(l.block).one_slice
-    table.append(Row(
+    positions = tagged.positions(l)
+    row = Row(
         name=l.name, kind=l.kind, block=type(block).__name__,
         params=tuple(l.params),
         factors=tuple(tuple(s) for s in block.factor_shapes),
         sharing=_sharing(l, block), bytes=B.state_bytes(l.block),
-        uses=l.uses, stack=l.stack, notes=l.notes))
+        uses=l.uses, stack=l.stack, notes=l.notes, positions=positions)
+    row["flops"] = (None if pricing is None else
+                    block_flops(row, l, block, **pricing))
+    table.append(row)
   table.loss_lines = loss_lines(tagged)
   return table
+
+
+def block_flops(row, layer, block, *, m, stats_m, inverse_every, cov_every,
+                c, own_forward, backward, damping_mode):
+  """The ``_cost.Flops`` of ``row``'s block (``block``: one slice of
+  ``layer``'s): a Kronecker-family block (two factors or more) by
+  ``_cost.kronecker``, a flat one by ``_cost.flat``."""
+  common: dict[str, Any] = dict(
+      positions=row["positions"], stats_m=stats_m, slices=row["stack"] or 1,
+      c=c, inverse_every=inverse_every, cov_every=cov_every,
+      own_forward=own_forward, backward=backward)
+  factors = row["factors"]
+  if len(factors) == 1:
+    out = layer.spec.output_size(0) if row["positions"] is not None else None
+    return _cost.flat(factors[0][0], m, kind=row["kind"],
+                      diagonal=len(factors[0]) == 1, output_size=out,
+                      **common)
+  eigen = isinstance(block, B.EigenCorrected) or damping_mode == "exact"
+  return _cost.kronecker(factors, m, eigenbasis=eigen,
+                         reduce=getattr(block, "weight_sharing", None)
+                         == "reduce", **common)
 
 
 def loss_lines(tagged):
@@ -136,13 +198,26 @@ def _sharing(layer, block):
   return f"{mode} (rows)" if layer.row_uses else mode
 
 
+# ``kfl.kfac``'s defaults (``optimizers.options``; the estimators cannot
+# import them: tests/test_describe_price.py checks they agree).
+INVERSE_EVERY = 10
+STATS_FRACTION = 1.0
+COV_EVERY = 1
+INVERSE_METHOD = "auto"
+STYLES = ("1-pass", "2-pass")
+
+
 def describe(loss_fn: Callable, params: chex.ArrayTree,
              batch: chex.ArrayTree, *, has_aux: bool = False,
              exclude: Sequence[str] = (),
              blocks: Mapping[str, Any] | None = None,
              damping_mode: str = "pi", weight_sharing: str = "expand",
              estimation: str | None = None,
-             example_axis: chex.ArrayTree | None = None) -> Table:
+             example_axis: chex.ArrayTree | None = None,
+             inverse_every: int = INVERSE_EVERY,
+             stats_fraction: float = STATS_FRACTION,
+             cov_every: int = COV_EVERY, inverse_method: str = INVERSE_METHOD,
+             style: str = "1-pass") -> Table:
   """The curvature blocks of ``loss_fn``'s layers, as rows.
 
   ``has_aux``/``exclude``/``example_axis`` are those of ``find_layers``
@@ -158,15 +233,53 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   K-FAC step would raise, if any (``Table.first_step``, which
   ``kfl.kfac`` raises at ``tx.init``). ``estimation``: when given,
   a ``ValueError`` if ``kfl.kfac`` with it would refuse this loss (as
-  ``kfl.value_grad_and_stats`` does when built)."""
+  ``kfl.value_grad_and_stats`` does when built).
+
+  The price of a step: each row's ``flops`` (``_cost.Flops``: its
+  layer's share of SGD's step, forward and backward, and K-FAC's
+  statistics, preconditioning and refresh, per step) and ``positions``,
+  ``Table.price`` their sum, and a line ``step price: ~2.7x an SGD step
+  of these layers' FLOPs (statistics 0.9x, preconditioning 0.6x, refresh
+  0.1x per step at ...)``. The FLOP model is the design brief's
+  (``estimators._cost``: per dense layer ``6·M·a·b`` for SGD, K-FAC's
+  statistics ``2·m·a·b + 2·m·(a² + b²)`` on ``m = round(M·f)`` examples,
+  preconditioning ``2·(a²·b + a·b²)``, refresh ``c·(a³ + b³)/T``); a
+  floor, not a timing: the activations, the loss and every other
+  operation are left out of both steps. Priced at the batch's size ``M``
+  and ``kfl.kfac``'s settings of the same names and defaults:
+  ``inverse_every`` (``T``), ``stats_fraction`` (``f``), ``cov_every``
+  (the statistics' share of a step ``1/K``), ``inverse_method`` (``c`` of
+  ``c·n³``: ``_cost.INVERSE_COSTS``, 2 for Gauss–Jordan, 7/3 Cholesky, 10
+  eigh; ``"auto"`` as resolved on this backend); ``style``: ``"1-pass"``
+  (the statistics share the gradient's forward pass:
+  ``kfl.value_grad_and_stats``, ``stats=``) or ``"2-pass"`` (``batch=``:
+  their own forward pass, as a 1-pass estimate with ``stats_fraction <
+  1`` also takes)."""
   tagged = tagging.find_layers(loss_fn, params, batch, has_aux=has_aux,
                        exclude=exclude, example_axis=example_axis)
   if estimation is not None:
     check_estimation(estimation)
     check_has_loss(tagged, estimation, "kfl.describe")
+  if style not in STYLES:
+    raise ValueError(f"describe: style must be one of {STYLES}, got "
+                     f"{style!r}")
+  method = fac.check_inverse_method(inverse_method)
+  _fraction.check_stats_fraction(stats_fraction)
   tagged = tagged.with_blocks(blocks, damping_mode=damping_mode,
                               weight_sharing=weight_sharing)
-  table = rows(tagged)
+  m = tagged.examples.size or 1
+  stats_m = _fraction.stats_batch_size(batch, stats_fraction,
+                                       "describe", tagged.examples) or m
+  own = style == "2-pass" or stats_m < m
+  c = _cost.INVERSE_COSTS[method]
+  table = rows(tagged, dict(
+      m=m, stats_m=stats_m, inverse_every=inverse_every, cov_every=cov_every,
+      c=c, own_forward=own, backward=estimation != "empirical_shared",
+      damping_mode=damping_mode))
+  table.price_settings = (
+      f"inverse_every={inverse_every}, inverse_method={method!r} (c={c:.3g}), "
+      f"stats_fraction={stats_fraction:g} ({stats_m} of {m} examples), "
+      f"cov_every={cov_every}, {style}")
   table.first_step = _first_step.refusal(
       tagged, params, batch,
       estimation or ("fisher" if tagged.losses else "empirical"))
