@@ -1,48 +1,42 @@
-"""The FLOP cost model of a K-FAC step against SGD's.
+"""The FLOP cost model of a K-FAC step against SGD's, for the benchmarks.
 
 The model is the design brief's "Performance model", written out in
 ``step_time.py``'s docstring (per dense layer ``a = d_in + 1``, ``b =
 d_out``: SGD ``6·M·a·b``; K-FAC adds the sampled backward ``f·2·M·a·b``,
 the covariances ``f·2·M·(a² + b²)``, the preconditioning ``2·(a²·b +
 a·b²)`` and the inverses ``c·(a³ + b³) / T``; the 2-pass style another
-``f·2·M·a·b``), which prints these floors next to its timings.
+``f·2·M·a·b``), which prints these floors next to its timings. The
+arithmetic is the library's (``kfac_jax_lite.estimators._cost``, which
+``kfl.describe`` prices its rows with); this module only tabulates it.
 """
 from __future__ import annotations
+
+import math
+
+from kfac_jax_lite.estimators import _cost
 
 # c of c·n³ per factor inverse.
 DECOMP_COSTS = (("c=1 potrf+potri", 1.0), ("c=2 gauss-jordan", 2.0),
                 ("c=7/3 chol+solve(I)", 7 / 3), ("c=10 eigh", 10.0))
 
 
-def floor_ratio(dims, m, *, fraction=1.0, interval=float("inf"), c=1.0,
+def floor_ratio(dims, m, *, fraction=1.0, interval=math.inf, c=1.0,
                 two_pass=False):
   """K-FAC/SGD FLOP ratio of the cost model (module docstring) for
   the dense layers ``dims`` at batch ``m``."""
-  sgd = kfac = 0.0
-  for d_in, b in zip(dims[:-1], dims[1:]):
-    a = d_in + 1
-    sgd += 6 * m * a * b
-    kfac += (6 * m * a * b + fraction * 2 * m * a * b
-             + fraction * 2 * m * (a * a + b * b) + 2 * (a * a * b + a * b * b)
-             + c * (a ** 3 + b ** 3) / interval)
-    if two_pass:
-      kfac += fraction * 2 * m * a * b
-  return kfac / sgd
+  return _cost.ratio(_cost.dense_layers(dims, m, fraction=fraction,
+                                        inverse_every=interval, c=c,
+                                        two_pass=two_pass))
 
 
 def model_flops(dims, m):
   """Per-piece FLOPs of the cost model, summed over the layers."""
-  out = dict(sgd=0.0, forward=0.0, sampled_backward=0.0, covariances=0.0,
-             precondition=0.0, cube=0.0)
-  for d_in, b in zip(dims[:-1], dims[1:]):
-    a = d_in + 1
-    out["sgd"] += 6 * m * a * b
-    out["forward"] += 2 * m * a * b
-    out["sampled_backward"] += 2 * m * a * b
-    out["covariances"] += 2 * m * (a * a + b * b)
-    out["precondition"] += 2 * (a * a * b + a * b * b)
-    out["cube"] += a ** 3 + b ** 3
-  return out
+  layers = _cost.dense_layers(dims, m, c=1.0, inverse_every=1)
+  sgd = sum(f.sgd for f in layers)
+  return dict(sgd=sgd, forward=sgd / 3, sampled_backward=sgd / 3,
+              covariances=sum(f.statistics for f in layers) - sgd / 3,
+              precondition=sum(f.precondition for f in layers),
+              cube=sum(f.refresh for f in layers))
 
 
 def print_floors(dims, m):

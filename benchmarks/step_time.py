@@ -236,7 +236,7 @@ def time_round_robin(runners, batches, warmup, steps):
   return time.perf_counter() - t0
 
 
-def print_table(runners, dims, m, args):
+def print_table(runners, dims, m, args, predicted=None):
   sgd = runners[0].median
   # Extra cost of a refresh: the refresh-every-step row against the
   # same-style row with the largest interval (no refresh in its window).
@@ -273,11 +273,22 @@ def print_table(runners, dims, m, args):
           + "; amort. = median + that / T")
   print("floor: 1-pass cost model with c=1; 2p floor: plus the statistics' own "
         "forward pass (the 2-pass style)")
-  print_summary(runners, dims, m, extra)
+  print_summary(runners, dims, m, extra, predicted or {})
 
 
-def print_summary(runners, dims, m, extra):
-  """The issue-13 goals: amortised T=10 ratios and the compile ratio."""
+def predicted_ratios(loss_fn, params, batch, args):
+  """``kfl.describe``'s step price (K-FAC over SGD, T=10) per summary row
+  ``(style, fraction)``, at the run's ``inverse_method`` (its ``c``)."""
+  return {(style, f): kfl.describe(
+      loss_fn, params, batch, inverse_every=10, stats_fraction=f,
+      style=style, inverse_method=args.inverse_method).price.ratio
+      for style, f in (("1-pass", 1.0), ("2-pass", 1.0), ("2-pass", 1 / 8))}
+
+
+def print_summary(runners, dims, m, extra, predicted):
+  """The issue-13 goals: amortised T=10 ratios and the compile ratio, with
+  the cost-model floor (c=1) and ``kfl.describe``'s price (the run's
+  ``inverse_method``'s c)."""
   sgd = runners[0]
   print("Summary (T=10, amortised; goals of issue 13):")
   for style, fraction, goal in (("1-pass", 1.0, "1-pass"),
@@ -290,8 +301,10 @@ def print_summary(runners, dims, m, extra):
     amort = r.median + (extra / 10 if extra is not None else 0.0)
     fl = C.floor_ratio(dims, m, fraction=fraction, interval=10,
                      two_pass=style == "2-pass")
+    pred = predicted.get((style, fraction))
+    pred_s = f"describe {pred:.2f}x   " if pred is not None else ""
     print(f"  {r.name:<28}{amort / sgd.median:>6.2f}x   floor {fl:.2f}x   "
-          f"goal <= {GOALS[goal]}x")
+          f"{pred_s}goal <= {GOALS[goal]}x")
   cells = ", ".join(f"{r.name} {r.compile_s / sgd.compile_s:.1f}x"
                     for r in runners[1:] if r.interval == 10)
   print(f"  compile (first step / SGD's first step {sgd.compile_s:.1f} s): "
@@ -487,6 +500,11 @@ def main(argv=None):
 
   loss_fn = M.make_autoencoder_loss(args.activation)
   params = M.autoencoder_init(dims, jax.random.PRNGKey(0))
+  predicted = predicted_ratios(loss_fn, params, batches[0], args)
+  print("kfl.describe, 1-pass at T=10: " + kfl.describe(
+      loss_fn, params, batches[0], inverse_method=args.inverse_method
+      ).price_line)
+  print()
   runners, est_fn = make_runners(loss_fn, params, batches[0], args)
   total = time_round_robin(runners, batches, args.warmup, args.steps)
   print(f"Step times ({len(runners)} configurations, {total:.0f} s in all; "
@@ -494,7 +512,7 @@ def main(argv=None):
         + ", ".join(f"{r.compile_s:.1f}" for r in runners) + " s; x SGD's: "
         + ", ".join(f"{r.compile_s / runners[0].compile_s:.1f}" for r in runners)
         + ")")
-  print_table(runners, dims, args.batch, args)
+  print_table(runners, dims, args.batch, args, predicted)
   if args.pieces:
     print()
     time_pieces(loss_fn, params, batches[0], batches[1], est_fn, dims, args)
