@@ -35,7 +35,11 @@ per layout:
   ``jax.jit`` (``update`` runs its own ``shard_map``), ``tx.init(params)``
   placing the curvature on the mesh; ``sharded+inv``: ``layout="sharded",
   gather="inverses"`` (the caches gathered after refreshes, no per-step
-  gather).
+  gather); ``onepass``: the sharded layout in the one-pass style, ``est =
+  kfl.value_grad_and_stats(loss_fn, params, batch, axis_name="data",
+  mesh=mesh)(params, batch, key)`` then ``tx.update(est.grads, state,
+  params, stats=est.stats)`` (the statistics come per device and are
+  reduce-scattered to their owners).
   State leaves that ``init`` leaves off the mesh (the SGD momentum, ...) are
   replicated on it.
 
@@ -113,7 +117,7 @@ import _hlo  # noqa: E402
 import _models as M  # noqa: E402
 from _harness import RESULTS, kfl  # noqa: E402
 
-LAYOUTS = ("gspmd", "replicated", "sharded", "sharded+inv")
+LAYOUTS = ("gspmd", "replicated", "sharded", "sharded+inv", "onepass")
 DEVICES = (1, 2, 4, 8)
 MLP_DIMS = (256, 1024, 256, 1024, 256, 10)
 MLP_BATCH = 64
@@ -252,6 +256,7 @@ def measure(model, layout, n):
     kf = kfl.kfac(loss_fn, batch)
   else:
     kw = (dict(layout="sharded", gather="inverses") if layout == "sharded+inv"
+          else dict(layout="sharded") if layout == "onepass"
           else dict(layout=layout))
     kf = kfl.kfac(loss_fn, batch, axis_name="data", mesh=mesh, **kw)
   tx = optax.chain(kf, optax.sgd(1e-2, momentum=0.9))
@@ -273,6 +278,15 @@ def measure(model, layout, n):
     grads = jax.grad(loss_fn)(params, batch)
     updates, state = tx.update(grads, state, params, batch=batch)
     return optax.apply_updates(params, updates), state
+
+  if layout == "onepass":
+    est_fn = kfl.value_grad_and_stats(loss_fn, params, batch,
+                                      axis_name="data", mesh=mesh)
+
+    def step(params, state, batch):  # noqa: F811  (the one-pass style)
+      est = est_fn(params, batch, jax.random.PRNGKey(0))
+      updates, state = tx.update(est.grads, state, params, stats=est.stats)
+      return optax.apply_updates(params, updates), state
 
   if layout == "gspmd":
     jitted = jax.jit(step, in_shardings=(rep, rep, data),
@@ -378,7 +392,8 @@ def header(args):
       "  gspmd: kfl.kfac with no axis_name, params+state replicated, batch "
       "sharded, jit (XLA's partitioner); replicated/sharded: "
       "kfl.kfac(axis_name='data', mesh=, layout=), jit; sharded+inv: "
-      "layout='sharded', gather='inverses'.",
+      "layout='sharded', gather='inverses'; onepass: sharded, stats= from "
+      "value_grad_and_stats(axis_name='data', mesh=).",
       "  state/dev: KfacState bytes on the fullest device after one step "
       "(sum of addressable shards' nbytes per device); state total: its "
       "logical bytes (sharded: the [D, L] buffers, padding to the longest "

@@ -284,14 +284,111 @@ def scenario_sharded(args):
   W.emit(result)
 
 
+def _hlo_summary(compiled):
+  """``{kind: {"every": bytes, "cond": bytes, ...}}`` of a compiled step's
+  collectives (``benchmarks/_hlo``, as ``sharded_curvature.py`` counts)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, os.path.join(root, "benchmarks"))
+  import _hlo
+  return _hlo.summarize(_hlo.collectives(compiled.as_text(), 8))
+
+
+def scenario_onepass(args):
+  """The one-pass style under plain ``jit`` with a mesh of 8 devices
+  (issue 36): ``value_grad_and_stats(..., axis_name=, mesh=)``'s
+  per-device statistics into ``kfl.kfac(mesh=)`` in the sharded layout,
+  the replicated layout, and a transform without a mesh; ``cov_every=2``
+  with ``with_stats=kfl.stats_due(state)``; against one device's
+  ``batch=`` style and the sharded ``batch=`` style on the mesh. Plus the
+  estimate itself against the plain one, and the collectives of the
+  sharded one-pass step with and without the estimator's mesh."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import kfac_jax_lite as kfl
+  del args
+  steps = 6
+  loss_fn = W.make_loss(SIZES)
+  params = W.init_params(SIZES)
+  batches = [W.make_batch(s, sizes=SIZES) for s in range(steps)]
+  kw = dict(cov_every=2)
+  make = lambda **k: W.make_tx(loss_fn, batches[0], lr=LR, **kw, **k)
+  mesh = _mesh(8)
+  data = NamedSharding(mesh, P("data"))
+  key = jax.random.PRNGKey(0)
+  result = {}
+
+  p1, s1, _ = W.run_single(loss_fn, params, batches, make())
+  result["single"] = dict(params=W.tolist(p1), caches=W.tolist(W.caches(s1[0])))
+  tx = make(axis_name="data", mesh=mesh)
+  pb, sb, _ = _jit_run(tx, mesh, params, tx.init(params), batches)
+  result["batch"] = dict(params=W.tolist(pb), caches=W.tolist(_state_caches(sb[0])))
+
+  plain = kfl.value_grad_and_stats(loss_fn, params, batches[0],
+                                   estimation="exact")
+  on_mesh = kfl.value_grad_and_stats(loss_fn, params, batches[0],
+                                     estimation="exact", axis_name="data",
+                                     mesh=mesh)
+
+  # The estimate: per-device statistics whose device mean is the plain one.
+  b0 = jax.device_put(batches[0], data)
+  e1 = jax.jit(plain)(params, batches[0], key)
+  e8 = jax.jit(on_mesh)(params, b0, key)
+  st = {k: v for k, v in e8.stats.items() if k != kfl.estimators.DEVICE_ENTRY}
+  result["estimate"] = dict(
+      loss=[float(e8.loss), float(e1.loss)],
+      grads=[W.tolist(e8.grads), W.tolist(e1.grads)],
+      stats=[W.tolist(kfl.estimators.device_mean(e8.stats)),
+             W.tolist(e1.stats)],
+      weights=[W.tolist(e8.weights), W.tolist(e1.weights)],
+      rows=sorted({int(x.shape[0]) for x in jax.tree.leaves(st)}),
+      devices=W.tolist(e8.stats[kfl.estimators.DEVICE_ENTRY]),
+      spec=str(jax.tree.leaves(st)[0].sharding.spec))
+
+  def run(tx, est_fn):
+    @jax.jit
+    def step(params, state, batch):
+      est = est_fn(params, batch, key, with_stats=kfl.stats_due(state))
+      updates, state = tx.update(est.grads, state, params, stats=est.stats,
+                                 loss=est.loss)
+      return optax.apply_updates(params, updates), state
+    p, s = params, tx.init(params)
+    for b in batches:
+      p, s = jax.block_until_ready(step(p, s, jax.device_put(b, data)))
+    return p, s, step
+
+  for name, tx in (("sharded", make(axis_name="data", mesh=mesh)),
+                   ("replicated", make(axis_name="data", mesh=mesh,
+                                       layout="replicated")),
+                   ("no_mesh", make())):
+    p, s, step = run(tx, on_mesh)
+    caches = (_state_caches(s[0]) if name == "sharded" else W.caches(s[0]))
+    result[name] = dict(params=W.tolist(p), caches=W.tolist(caches))
+    if name == "sharded":
+      b = jax.device_put(batches[0], data)
+      result["hlo_mesh"] = _hlo_summary(step.lower(params, s, b).compile())
+      tx0 = make(axis_name="data", mesh=mesh)
+      _, s0, step0 = run(tx0, plain)  # Today's way: the estimator unaware.
+      result["hlo_plain"] = _hlo_summary(step0.lower(params, s0, b).compile())
+  shapes = jax.eval_shape(plain, params, batches[0], key)
+  stats, _ = kfl.estimators.split_run(shapes.stats)
+  result["grad_bytes"] = sum(x.size * x.dtype.itemsize
+                             for x in jax.tree.leaves(shapes.grads))
+  result["stats_bytes"] = sum(x.size * x.dtype.itemsize
+                              for x in jax.tree.leaves(stats))
+  del jnp
+  W.emit(result)
+
+
 def main(argv=None):
   import argparse
   parser = argparse.ArgumentParser()
-  parser.add_argument("scenario", choices=["sharded"])
+  parser.add_argument("scenario", choices=["sharded", "onepass"])
   parser.add_argument("--devices", type=int, default=8)
   args = parser.parse_args(argv)
   W._setup(args.devices)
-  scenario_sharded(args)
+  (scenario_onepass if args.scenario == "onepass" else scenario_sharded)(args)
 
 
 if __name__ == "__main__":

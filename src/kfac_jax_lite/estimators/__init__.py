@@ -5,8 +5,9 @@ Layer 3. Owns the estimate (``_estimate``), the argument checks of the
 estimation modes (``_checks``), the statistics share (``_fraction``), the
 one-pass entry point ``value_grad_and_stats`` (``_onepass``), the first-step
 check (``_first_step``), ``describe`` (``_describe``) with its step price
-(``_cost``: the FLOP model of a K-FAC step) and the progress bar of
-the streamed fits (``_progress``). May import:
+(``_cost``: the FLOP model of a K-FAC step), the progress bar of the
+streamed fits (``_progress``) and the per-device statistics of
+``value_grad_and_stats(mesh=)`` (``_devices``). May import:
 ``factor``, ``blocks``, ``losses``, ``tagging``.
 
 Scale (one definition for every estimator, loss and reduction). For
@@ -138,6 +139,12 @@ from kfac_jax_lite.estimators._fraction import (
     stats_batch_size as stats_batch_size)
 from kfac_jax_lite.estimators._fraction import stats_slice as stats_slice
 from kfac_jax_lite.estimators._progress import progress as progress
+# The per-device statistics (``value_grad_and_stats(mesh=)``), for kfl.kfac.
+from kfac_jax_lite.estimators._devices import DEVICE_ENTRY as DEVICE_ENTRY
+from kfac_jax_lite.estimators._devices import batch_specs as batch_specs
+from kfac_jax_lite.estimators._devices import device_mean as device_mean
+from kfac_jax_lite.estimators._devices import is_per_device as is_per_device
+from kfac_jax_lite.estimators._devices import local as local_stats
 from kfac_jax_lite.estimators._onepass import (
     value_grad_and_stats as value_grad_and_stats)
 from kfac_jax_lite.estimators._first_step import (

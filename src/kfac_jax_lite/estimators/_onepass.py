@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kfac_jax_lite import tagging
+from kfac_jax_lite.estimators import _devices
 from kfac_jax_lite.estimators._checks import (
     check_estimation, check_example_axis, check_has_loss)
 from kfac_jax_lite.estimators._estimate import Estimate, estimate
@@ -48,7 +49,8 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
                          exclude: Sequence[str] = (),
                          weight_sharing: str = "expand",
                          damping_mode: str = "pi",
-                         example_axis: chex.ArrayTree | None = None
+                         example_axis: chex.ArrayTree | None = None,
+                         axis_name: Any = None, mesh: Any = None
                          ) -> Callable[..., Estimate]:
   """``fn(params, batch, key) -> Estimate``: the loss, its gradient and the
   curvature statistics of every block, for ``kfac``'s ``update(..., stats=)``.
@@ -114,6 +116,21 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
       one, an int for every leaf, or a pytree of the batch's structure
       with an int or None per leaf (``example_axis=1`` for time-major
       ``[T, B]`` data); other than 0 it needs ``stats_fraction=1``.
+    axis_name, mesh: as in ``kfl.kfac(..., axis_name=, mesh=)``, for plain
+      ``jit`` on a batch sharded over ``mesh``'s ``axis_name``: ``fn`` then
+      runs per device (a ``shard_map``; ``_devices``) and returns
+      ``stats`` un-reduced, every leaf with a leading axis of the ``D``
+      devices (row ``d``: device ``d``'s examples; the entry
+      ``"~devices"`` marks them), so that ``kfl.kfac(..., mesh=)``
+      reduce-scatters them to their owners instead of XLA all-reducing
+      them first; ``loss`` and ``grads`` are the device means (the whole
+      batch's for a loss averaging equal shards), ``aux`` is stacked
+      ``[D, ...]``, ``weights`` are each device's ``c_i / D``, and every
+      device draws its own samples (``key`` folded with its index); with
+      ``stats_fraction < 1`` each device takes the first share of its own
+      examples (as ``kfl.kfac``'s ``batch=`` style does). Any other
+      consumer of such stats averages them over the devices. Inside a
+      ``pmap``/``shard_map`` binding ``axis_name`` the mesh is not used.
 
   Returns:
     ``fn(params, batch, key, states=None, *, with_stats=True) -> Estimate``
@@ -133,6 +150,7 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
     of ``benchmarks/``).
   """
   check_estimation(estimation, num_samples)
+  _devices.check_mesh(mesh, axis_name)
   check_stats_fraction(stats_fraction)
   stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)")
   check_example_axis(example_axis, batch, stats_fraction,
@@ -175,17 +193,25 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
     return Estimate(loss, aux, grads, jax.tree.map(zeros, shapes.stats),
                     zeros(shapes.weights))
 
-  def fn(params, batch, key, states=None, *, with_stats=True):
-    if isinstance(with_stats, (bool, np.bool_)):
-      branch = with_statistics if with_stats else without_statistics
+  def one_device(params, batch, key, states, flag):
+    if isinstance(flag, bool):
+      branch = with_statistics if flag else without_statistics
       return branch(params, batch, key, states)
+    # The statistics' work alone runs under a lax.cond (``estimate``): the
+    # forward and gradient passes stay outside it.
+    return with_statistics(params, batch, key, states, flag)
+
+  def fn(params, batch, key, states=None, *, with_stats=True):
+    run = one_device
+    if mesh is not None and not _devices.axis_is_bound(axis_name):
+      run = _devices.on_mesh(one_device, tagged.examples, mesh, axis_name)
+    if isinstance(with_stats, (bool, np.bool_)):
+      return run(params, batch, key, states, bool(with_stats))
     flag = jnp.asarray(with_stats)
     if flag.shape != () or flag.dtype != jnp.bool_:
       raise ValueError("with_stats must be a bool or a scalar boolean array "
                        f"(kfl.stats_due(state)), got {flag.dtype}{list(flag.shape)}")
-    # The statistics' work alone runs under a lax.cond (``estimate``): the
-    # forward and gradient passes stay outside it.
-    return with_statistics(params, batch, key, states, flag)
+    return run(params, batch, key, states, flag)
 
   fn.tagged = tagged
   return fn

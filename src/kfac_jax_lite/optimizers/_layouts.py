@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 
+from kfac_jax_lite import estimators
 from kfac_jax_lite.optimizers import _sharded_step
 from kfac_jax_lite.optimizers import sharding
 from kfac_jax_lite.blocks import base as blocks_base
@@ -76,29 +77,33 @@ def sharded_init(layers, blocks, *, axis_name, mesh, gather):
 def on_mesh(run, examples, updates, state, params, batch, stats, damping,
             loss, *, mesh, axis_name):
   """``run(updates, state, params, batch=, stats=, damping=, loss=,
-  replicated_stats=True)`` in a ``shard_map`` over ``mesh``'s
-  ``axis_name``: batch leaves split along their example axis
-  (``examples``, a ``tagging`` ``ExampleAxis``; leaves without one
-  replicated), the sharded curvature by its rows (``sharding.specs``),
-  everything else the same on every device."""
+  replicated_stats=)`` in a ``shard_map`` over ``mesh``'s ``axis_name``:
+  batch leaves split along their example axis (``examples``, a ``tagging``
+  ``ExampleAxis``; leaves without one replicated), the sharded curvature by
+  its rows (``sharding.specs``), per-device statistics
+  (``value_grad_and_stats(mesh=)``: a leading device axis) by their rows,
+  each device's own then reduced by ``run`` (the sharded layout: a
+  reduce-scatter to the owners); everything else the same on every device
+  (other statistics: the whole batch's, ``replicated_stats``)."""
   P = jax.sharding.PartitionSpec
   batch_specs = None
   if batch is not None:
-    axes = {i: examples.axis_of(k) for k, i in enumerate(examples.leaves)}
-    leaves, treedef = jax.tree.flatten(batch)
-    batch_specs = jax.tree.unflatten(treedef, [
-        P(*([None] * axes[i]), axis_name) if i in axes else P()
-        for i in range(len(leaves))])
+    batch_specs = estimators.batch_specs(examples, batch, axis_name)
   state_specs = sharding.specs(state)
   replicated = lambda tree: jax.tree.map(lambda _: P(), tree)
+  per_device = estimators.is_per_device(stats)
+  stats_specs = (jax.tree.map(lambda _: P(axis_name), stats) if per_device
+                 else replicated(stats))
 
   def body(updates, state, params, batch, stats, damping, loss):
+    if per_device:
+      stats = estimators.local_stats(stats)
     return run(updates, state, params, batch=batch, stats=stats,
-               damping=damping, loss=loss, replicated_stats=True)
+               damping=damping, loss=loss, replicated_stats=not per_device)
   mapped = jax.shard_map(
       body, mesh=mesh,
       in_specs=(replicated(updates), state_specs, replicated(params),
-                batch_specs, replicated(stats), replicated(damping),
+                batch_specs, stats_specs, replicated(damping),
                 replicated(loss)),
       out_specs=(replicated(updates), state_specs), check_vma=False)
   return mapped(updates, state, params, batch, stats, damping, loss)

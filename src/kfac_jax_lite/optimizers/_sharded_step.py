@@ -96,8 +96,11 @@ def step(layers, blocks, grad_leaves, compute_stats, *, stats_due,
     stats_due: a bool scalar gating the statistics (``cov_every > 1``), or
       None (every step).
     stats_replicated: the statistics are already the device mean (the same
-      on every device): each device takes its own blocks' share, no
-      reduce-scatter.
+      on every device: a ``stats=`` that ``jit`` summed over the whole
+      batch, which XLA all-reduced): each device takes its own blocks'
+      share, no reduce-scatter. False for ``batch=``'s own pass and for
+      the per-device ``stats=`` of ``value_grad_and_stats(mesh=)``
+      (``_layouts.on_mesh`` hands each device its row).
     lam, damping_ok, refresh_due, count, cov_decay, precon_power,
     inverse_method: as for ``_stages.refresh``/``accumulate``.
   """

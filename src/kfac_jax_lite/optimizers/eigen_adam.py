@@ -410,7 +410,7 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
   grads = updates  # Their structure (flax wrappers included) comes back.
   params, updates = _find.unwrap(params), _find.unwrap(updates)
   batch, stats, loss = _pending.resolve(state, batch, stats, loss)
-  stats, run = estimators.split_run(stats)
+  stats, run = estimators.split_run(estimators.device_mean(stats))
   if loss is None and run is not None:
     loss = run["loss"]
   s = _step_of(cfg, updates, state, params, batch, stats)

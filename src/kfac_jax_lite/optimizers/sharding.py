@@ -19,7 +19,12 @@ layout's stages in ``_stages`` do the per-block work):
    (they need its activations), packs them into ``[D, S]`` (row ``d`` the
    blocks ``d`` owns) and ``psum_scatter``-s them: each device receives the
    device mean of its own blocks' statistics (a reduce-scatter moves half
-   the bytes an all-reduce does);
+   the bytes an all-reduce does). In the one-pass style under a mesh
+   (``stats=`` of ``kfl.value_grad_and_stats(..., axis_name=, mesh=)``:
+   each device's statistics, a leading device axis) every device packs
+   its own row of them the same way; statistics that are already the
+   device mean (a ``stats=`` computed by ``jit`` over the whole batch,
+   which XLA all-reduced) are only sliced, each device taking its share;
 2. each device folds them into its blocks' EMAs and refreshes its blocks'
    caches (``lax.switch`` on ``axis_index``: the branch of device ``d``
    holds the work of ``d``'s blocks only);

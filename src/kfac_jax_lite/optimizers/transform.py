@@ -8,7 +8,10 @@ Each ``update``:
 1. every ``cov_every`` steps, takes ``stats=`` from
    ``kfl.value_grad_and_stats`` (the forward pass shared with the
    gradient: the README's way), or estimates the statistics of every block
-   on ``batch=`` (its first ``stats_fraction`` share); averages them over ``axis_name`` (``pmap``/``shard_map``);
+   on ``batch=`` (its first ``stats_fraction`` share); averages them over
+   ``axis_name`` (``pmap``/``shard_map``; with ``mesh=``, statistics of
+   ``value_grad_and_stats(..., axis_name=, mesh=)`` come per device and
+   the sharded layout reduce-scatters them to their owners);
    folds them into the factors' EMA (decay ``cov_decay``);
 2. every ``inverse_every`` steps (from step 0) and, while the statistics
    are young, at steps 1, 2, 4, 8, ... below ``inverse_every``
@@ -358,9 +361,10 @@ def _update(cfg: _Kfac, updates, state, params=None, *, batch=None,
     out, state = _layouts.on_mesh(
         functools.partial(_run, cfg), examples, updates, state, params, batch,
         stats, damping, loss, mesh=mesh, axis_name=axis_name)
-  else:
-    out, state = _run(cfg, updates, state, params, batch=batch, stats=stats,
-                      damping=damping, loss=loss)
+  else:  # Per-device statistics (value_grad_and_stats(mesh=)): their mean.
+    out, state = _run(cfg, updates, state, params, batch=batch,
+                      stats=estimators.device_mean(stats), damping=damping,
+                      loss=loss)
   return _find.rewrap(grads, out), state
 
 
