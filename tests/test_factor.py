@@ -293,6 +293,46 @@ def test_gauss_jordan_inverse_over_many_blocks_is_exact_and_symmetric(x64):
     assert not bool(_small_gauss_jordan(jnp.asarray(bad, dtype))[1])
 
 
+@pytest.mark.parametrize("x64", [False, True])
+def test_factors_sharing_a_padded_size_share_one_exact_inversion(x64):
+  """Damped factors of 30 and 31 (one pivot block of 64) and of 100 and 127
+  (two) go through one compiled inversion per padded size (``⊕ I``, the
+  damping on the real part only), and the padded inversion equals the
+  unpadded one: the scalar elimination at the factor's own size, the sweep
+  padded further (to 192); float64 within 1e-12 of the exact damped
+  inverse. A NaN, an inf or a negative pivot in a padded factor is not ok."""
+  rng = np.random.default_rng(11)
+  inverse = fac.INVERSES["gauss_jordan"]
+  traces = _inverse._padded_gauss_jordan._cache_size()
+  with x64_mode(x64):
+    dtype = jnp.float64 if x64 else jnp.float32
+    eps = np.finfo(dtype).eps
+    for n, damping in ((30, 0.3), (31, 0.05), (100, 0.2), (127, 0.1)):
+      c = jnp.asarray(random_psd(rng, n, rank=n // 2), dtype)
+      got, ok = inverse(c, jnp.asarray(damping, dtype))
+      m = c + damping * jnp.eye(n, dtype=dtype)
+      if n < _inverse.BLOCK_SIZE:
+        unpadded = -_inverse._negated_leaf_inverse(m)[0]
+      else:
+        wider = jnp.pad(m, [(0, 192 - n)] * 2) + jnp.diag(
+            jnp.arange(192) >= n).astype(dtype)
+        unpadded = -_inverse._sweep(wider, _inverse.BLOCK_SIZE)[0][:n, :n]
+      exact = np.linalg.inv(np.asarray(m, np.float64))
+      scale = np.abs(exact).max()
+      assert got.dtype == dtype and got.shape == (n, n) and bool(ok)
+      # κ(m) ≤ (‖c‖ + d) / d: the forward error of either elimination.
+      cond = (np.linalg.norm(np.asarray(c, np.float64), 2) + damping) / damping
+      tol = 1e-12 if x64 else 4 * n * eps * cond
+      np.testing.assert_allclose(got, unpadded, rtol=0, atol=tol * scale)
+      np.testing.assert_allclose(got, exact, rtol=0,
+                                 atol=(1e-12 if x64 else tol) * scale)
+      for bad in (np.nan, np.inf):
+        assert not bool(inverse(c.at[n // 2, n // 3].set(bad), 0.1)[1])
+      assert not bool(inverse(c, -2 * float(jnp.max(jnp.diag(c))))[1])
+  # One trace per padded size and dtype (64 and 128), not one per factor.
+  assert _inverse._padded_gauss_jordan._cache_size() - traces <= 2
+
+
 def test_an_inverse_with_positive_pivots_is_ok_only_when_finite():
   """The pivots alone do not make an inverse ok: one non-finite entry
   (±inf, NaN; the other entries finite) makes it not ok."""
