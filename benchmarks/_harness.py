@@ -154,7 +154,9 @@ def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
   at the library's defaults over ``lrs``; the same tuned over ``dampings``
   x ``tuned_lrs`` (the defaults' runs compete with it); both stepped in
   ``style``; and ``kfl.kfac_optimizer(loss_fn, example)`` at its defaults
-  (``batch=``). ``optax_family``: from :func:`optax_families`.
+  (or the options ``--set kfac_opt.KEY=...`` gives), its statistics from
+  the one-pass estimate and ``batch=`` for its quadratic model
+  (``"1-pass+batch="``). ``optax_family``: from :func:`optax_families`.
   """
   return [
       optax_family("kfac", "K-FAC+SGD defaults", {"lr": list(lrs)},
@@ -171,8 +173,11 @@ def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
                    note="other kfl.kfac settings at their defaults; the "
                    "defaults' runs compete"),
       optax_family("kfac_opt", "kfl.kfac_optimizer", {},
-                   lambda: kfl.kfac_optimizer(loss_fn, example), style="batch=",
-                   note="defaults")]
+                   lambda **options: kfl.kfac_optimizer(loss_fn, example,
+                                                        **options),
+                   style="1-pass+batch=",
+                   note="defaults unless --set kfac_opt.KEY=...; one-pass "
+                   "statistics, batch= for the quadratic model")]
 
 
 def grid(**values) -> list[dict]:

@@ -63,6 +63,17 @@ update:
    reached 2e31; with both it ends at 0.006 after 200 steps. The price is
    one forward pass of the batch per step (it was one per 5 steps).
 
+   The first update is kept whatever its ρ (if finite; λ still rises):
+   from the deep autoencoder's initialisation (all 784 outputs near ½,
+   loss 551) every K-FAC step raises the batch's loss at first (ρ ≈ -0.6
+   at λ = 1, 4, 16; accepted from λ ≈ 64). Rejecting the first step left
+   the optimizer in place for 50+ steps while λ climbed by 1/ω (or, with
+   λ multiplied by 4 on each rejection, left λ near 60 to decay for the
+   next 80 steps: evaluation loss 74 at step 120); keeping it (the loss
+   551 → 624) the next steps had ρ ≈ 0.8-1.1 and reached 63.6 at step 120,
+   as the old rule did (63.0 at step 101). The standardised-input MLPs'
+   first steps lower the loss, so their rejections are unchanged.
+
 Extra args: ``update(grads, state, params, *, batch, stats=None)`` needs
 the batch, for the quadratic model's products and, without ``stats=``, for
 the preconditioner's statistics (its own pass). ``stats=`` takes them from
@@ -393,12 +404,13 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
   kstate = typing.cast(transform.KfacState, kstate)  # As in _init.
   delta = jax.tree.map(lambda u: -u, precond)
   tagged, batch = cfg.model_batch(params, batch)
+  first = kstate.count == 1
   step, coeffs, model_change, loss = _model_step(
       cfg, tagged, params, batch, updates, delta, state.velocity, lam,
-      first=kstate.count == 1, dtype=dtype)
+      first=first, dtype=dtype)
   new_lam, rho, step = jax.lax.cond(
       kstate.count % a.interval == 0,
-      functools.partial(_adapt, cfg, params, batch, loss, model_change),
+      functools.partial(_adapt, cfg, params, batch, loss, model_change, first),
       lambda op: (op[0], state.rho.astype(dtype), op[1]), (lam, step))
   new_state = KfacOptimizerState(
       kstate, new_lam.astype(state.damping.dtype),
@@ -455,9 +467,11 @@ def _model_step(cfg: _Optimizer, tagged, params, batch, grads, delta, vel,
   return step, coeffs, model_change, loss
 
 
-def _adapt(cfg: _Optimizer, params, batch, loss, model_change, operand):
+def _adapt(cfg: _Optimizer, params, batch, loss, model_change, first,
+           operand):
   """Levenberg–Marquardt (module doc, 2.): ``(λ, step)`` -> the new ``λ``,
-  ``ρ`` and the step (zero if the new loss is not finite)."""
+  ``ρ`` and the step (zero if the new loss is not finite, or if it rose
+  and this is not the ``first`` update)."""
   a = cfg.adaptation
   lam, step = operand
   dtype = lam.dtype
@@ -471,6 +485,7 @@ def _adapt(cfg: _Optimizer, params, batch, loss, model_change, operand):
   omega = a.damping_decay ** a.interval
   new_lam = levenberg_marquardt(lam, rho, omega, a.min_damping, a.max_damping)
   moved = (model_change < 0) | ~jnp.isfinite(new_loss)
-  keep = jnp.isfinite(new_loss) & ((new_loss <= loss) | (model_change >= 0))
+  keep = jnp.isfinite(new_loss) & ((new_loss <= loss) | (model_change >= 0)
+                                   | first)
   step = jax.tree.map(lambda s: jnp.where(keep, s, jnp.zeros_like(s)), step)
   return jnp.where(moved, new_lam, lam), rho, step
