@@ -154,3 +154,52 @@ def test_a_nan_loss_is_left_out_and_the_state_stays_finite():
   h = kfl.health(state)
   assert h.num_losses == 1 and h.loss_start == 2.0 and h.loss_recent == 2.0
   assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))
+
+
+def _fed(losses):
+  """A kfac + sgd(0) state whose ``update`` was given ``loss=`` each of
+  ``losses`` in turn (the recurrences see only those numbers)."""
+  params, loss, batch = _problem()
+  tx = optax.chain(kfl.kfac(loss, batch), optax.sgd(0.0))
+  grads = jax.grad(loss)(params, batch)
+
+  @jax.jit
+  def run(state):
+    def step(state, value):
+      return tx.update(grads, state, params, batch=batch, loss=value)[1], None
+    return jax.lax.scan(step, state, jnp.asarray(losses, jnp.float32))[0]
+  return run(tx.init(params))
+
+
+def _course(n_down, bottom, end, n_up=40, start=2.4):
+  """Losses from ``start`` down to ``bottom`` in ``n_down`` steps, then
+  over ``n_up`` steps to ``end``, with 3% multiplicative noise."""
+  rng = np.random.default_rng(1)
+  down = np.geomspace(start, bottom, n_down)
+  up = np.geomspace(bottom, end, n_up)
+  return np.concatenate([down, up]) * (1 + 0.03 * rng.standard_normal(
+      n_down + n_up))
+
+
+@pytest.mark.parametrize("end, rebounded", [
+    (2.1, True),     # issue 36: 2.43 -> 0.37 -> 91.6, ended at 2.14, "ok".
+    (1.8, True),     # the EMA (1.31) gave back 0.53 of the progress.
+    (1.5, False),    # the EMA (1.13) gave back 0.41 of it.
+    (0.6, False),    # a tenth of it.
+    (0.3, False)])   # still falling.
+def test_a_run_that_gives_back_its_progress_rebounded(end, rebounded):
+  """The state's recurrence (``loss_best``) and ``health(losses=)``'s agree,
+  and a run whose recent loss gave back more than half of the progress
+  from its start to its best is not ok (a transient spike that ends
+  where it started ends judged where it ended)."""
+  losses = _course(60, 0.35, end)
+  from_state = kfl.health(_fed(losses))
+  from_list = kfl.health(_fed(losses), losses=losses)
+  for h in (from_state, from_list):
+    assert h.rebounded is rebounded, str(h)
+    assert h.ok is not rebounded, str(h)
+    assert ("LOSS REBOUNDED" in str(h)) is rebounded
+  _, start, recent, best = health_mod.loss_course(losses)
+  np.testing.assert_allclose(from_state.loss_best, best, rtol=1e-5)
+  np.testing.assert_allclose(from_state.loss_recent, recent, rtol=1e-5)
+  assert best < 0.4 * start  # the runs made progress first.

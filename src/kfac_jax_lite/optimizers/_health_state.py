@@ -33,7 +33,10 @@ Issue 38 adds the events a run can recover from:
   latest update that was skipped or replaced for any reason (-1: none), so
   that ``kfl.health`` can tell a run that recovered from one that fails;
 * ``loss_first``: the first finite loss seen (a loss far above it is a
-  blow-up from the first losses on, ``kfl.health``'s ``rising``).
+  blow-up from the first losses on, ``kfl.health``'s ``rising``);
+* ``loss_best``: the lowest ``loss_recent`` once ``LOSS_START_WINDOW``
+  losses were seen (a run that gave back most of its progress is
+  ``kfl.health``'s ``rebounded``; issue 36).
 
 ``kfl.health`` judges them (its thresholds and their reasons are there).
 The reductions add no pass over the parameters: the per-leaf squared norms
@@ -69,6 +72,8 @@ class HealthState(NamedTuple):
   num_bad_inputs: Any  # int32: skipped for targets outside their support.
   first_bad: Any  # int32: step of the first skipped/replaced update, or -1.
   last_bad: Any  # int32: step of the latest skipped/replaced update, or -1.
+  loss_best: Any  # the lowest loss_recent once LOSS_START_WINDOW losses
+  # were seen (0 before).
 
 
 def init(params, dtype) -> HealthState:
@@ -82,7 +87,7 @@ def init(params, dtype) -> HealthState:
       loss_first=zero(), num_bad_losses=jnp.zeros((), jnp.int32),
       num_bad_inputs=jnp.zeros((), jnp.int32),
       first_bad=jnp.full((), -1, jnp.int32),
-      last_bad=jnp.full((), -1, jnp.int32))
+      last_bad=jnp.full((), -1, jnp.int32), loss_best=zero())
 
 
 def update(h: HealthState, first, params, clipped, loss, seen, dtype
@@ -113,7 +118,10 @@ def update(h: HealthState, first, params, clipped, loss, seen, dtype
       num_losses=k + seen.astype(jnp.int32),
       loss_first=jnp.where(seen & (k == 0), loss, h.loss_first),
       num_bad_losses=h.num_bad_losses, num_bad_inputs=h.num_bad_inputs,
-      first_bad=h.first_bad, last_bad=h.last_bad)
+      first_bad=h.first_bad, last_bad=h.last_bad,
+      loss_best=jnp.where(seen & (k + 1 >= LOSS_START_WINDOW), jnp.where(
+          k + 1 == LOSS_START_WINDOW, recent,
+          jnp.minimum(h.loss_best, recent)), h.loss_best))
 
 
 def events(h: HealthState, step, bad_loss, bad_input, bad) -> HealthState:
