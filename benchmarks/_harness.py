@@ -146,8 +146,13 @@ def optax_families(loss_fn, params, example_batch, seed=0):
   return optax_family
 
 
+# kfac_optimizer's options that its one-pass estimator must share.
+ESTIMATOR_OPTIONS = ("estimation", "num_samples", "stats_fraction",
+                     "exclude", "blocks", "weight_sharing", "example_axis")
+
+
 def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
-                  style):
+                  style, params=None, seed=0):
   """The K-FAC families of every time-to-target script.
 
   ``optax.chain(kfl.kfac(loss_fn, example), optax.sgd(lr, momentum=0.9))``
@@ -156,7 +161,9 @@ def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
   ``style``; and ``kfl.kfac_optimizer(loss_fn, example)`` at its defaults
   (or the options ``--set kfac_opt.KEY=...`` gives), its statistics from
   the one-pass estimate and ``batch=`` for its quadratic model
-  (``"1-pass+batch="``). ``optax_family``: from :func:`optax_families`.
+  (``"1-pass+batch="``; the estimator built with the same estimation
+  options). ``optax_family``: from :func:`optax_families`; ``params``,
+  ``seed``: the start of the ``kfac_optimizer`` runs.
   """
   return [
       optax_family("kfac", "K-FAC+SGD defaults", {"lr": list(lrs)},
@@ -172,12 +179,15 @@ def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
                    style=style,
                    note="other kfl.kfac settings at their defaults; the "
                    "defaults' runs compete"),
-      optax_family("kfac_opt", "kfl.kfac_optimizer", {},
-                   lambda **options: kfl.kfac_optimizer(loss_fn, example,
-                                                        **options),
-                   style="1-pass+batch=",
-                   note="defaults unless --set kfac_opt.KEY=...; one-pass "
-                   "statistics, batch= for the quadratic model")]
+      Family("kfac_opt", "kfl.kfac_optimizer", {},
+             lambda s: optax_candidate(
+                 "kfl.kfac_optimizer", s, "1-pass+batch=",
+                 lambda: kfl.kfac_optimizer(loss_fn, example, **s), loss_fn,
+                 params, example, seed,
+                 {k: v for k, v in s.items() if k in ESTIMATOR_OPTIONS}),
+             "defaults unless --set kfac_opt.KEY=...; one-pass statistics "
+             "(the estimator given the same estimation options), batch= for "
+             "the quadratic model")]
 
 
 def grid(**values) -> list[dict]:
