@@ -141,6 +141,7 @@ from kfac_jax_lite.estimators._fraction import stats_slice as stats_slice
 from kfac_jax_lite.estimators._progress import progress as progress
 # The per-device statistics (``value_grad_and_stats(mesh=)``), for kfl.kfac.
 from kfac_jax_lite.estimators._devices import DEVICE_ENTRY as DEVICE_ENTRY
+from kfac_jax_lite.estimators._devices import axis_is_bound as axis_is_bound
 from kfac_jax_lite.estimators._devices import batch_specs as batch_specs
 from kfac_jax_lite.estimators._devices import device_mean as device_mean
 from kfac_jax_lite.estimators._devices import is_per_device as is_per_device

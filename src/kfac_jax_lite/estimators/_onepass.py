@@ -116,7 +116,9 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
       one, an int for every leaf, or a pytree of the batch's structure
       with an int or None per leaf (``example_axis=1`` for time-major
       ``[T, B]`` data); other than 0 it needs ``stats_fraction=1``.
-    axis_name, mesh: as in ``kfl.kfac(..., axis_name=, mesh=)``, for plain
+    axis_name: the mesh axis the batch is sharded over, as in
+      ``kfl.kfac(..., axis_name=)``; used with ``mesh``.
+    mesh: as in ``kfl.kfac(..., mesh=)``, for plain
       ``jit`` on a batch sharded over ``mesh``'s ``axis_name``: ``fn`` then
       runs per device (a ``shard_map``; ``_devices``) and returns
       ``stats`` un-reduced, every leaf with a leading axis of the ``D``

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kfac_jax_lite import estimators
 from kfac_jax_lite import tagging
 from kfac_jax_lite.blocks import base as blocks_base
 from kfac_jax_lite.factor import FactorState
@@ -28,13 +29,9 @@ def device_count(axis_name) -> int:
   return jax.lax.psum(1, axis_name)
 
 
-def axis_is_bound(axis_name) -> bool:
-  """Whether ``axis_name`` is bound here (inside ``pmap``/``shard_map``)."""
-  try:
-    jax.lax.axis_index(axis_name)
-  except NameError:
-    return False
-  return True
+# Whether ``axis_name`` is bound here (inside ``pmap``/``shard_map``): the
+# estimators' test, one copy.
+axis_is_bound = estimators.axis_is_bound
 
 
 def _gather(row, axis, devices, me):
