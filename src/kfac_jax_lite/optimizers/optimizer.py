@@ -22,8 +22,9 @@ update:
    ``M`` the quadratic model without ``λ``) updates ``λ ← ωλ`` if
    ``ρ > ¾`` and ``λ ← λ/ω`` if ``ρ < ¼``, ``ω = damping_decay^{T₁}``,
    clipped to ``[min_damping, max_damping]``. A non-finite ``ρ`` counts as
-   a bad one (λ rises), and a step with ``ρ < 0`` (its own batch's loss
-   rose, or is not finite) is also rejected (a zero update), as a trust
+   a bad one (λ rises), and a step after the first with ``ρ < 0`` (its own
+   batch's loss rose; a non-finite loss, on any step) is also rejected (a
+   zero update), as a trust
    region's acceptance test does (Nocedal & Wright, Alg. 4.1); a step the
    model predicted no reduction for (e.g. a skipped one) leaves λ as it
    was.
@@ -206,7 +207,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       divided by it when ``ρ < ¼``; in ``(0, 1)``.
     damping_adaptation_interval: ``T₁``, a positive int; on those steps the
       loss is evaluated at the new parameters (one more forward pass) and
-      a step that raised it is rejected. Default 1 (module docstring: the
+      a step that raised it is rejected (the first is kept, module
+      docstring). Default 1 (module docstring: the
       steps that broke a standardised-input MLP were all off the 5th).
     l2_reg: ``η ≥ 0``, an L2 regularisation the loss does not contain,
       added to the quadratic model's curvature (and to the damping).
