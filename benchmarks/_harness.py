@@ -134,14 +134,19 @@ def amortised_family(loss_fn, params, example, lr, style, seed, configs=None,
 
 def optax_families(loss_fn, params, example_batch, seed=0):
   """A script's ``optax_family(fid, name, grid, make_tx, style="grad",
-  note="")``: the :class:`Family` whose candidate at ``settings`` trains
-  ``make_tx(**settings)`` on ``loss_fn`` from ``params`` in ``style``
-  (:func:`cov_style` of it and the settings' ``cov_every``)."""
-  def optax_family(fid, name, grid, make_tx, style="grad", note=""):
+  note="", est_options=())``: the :class:`Family` whose candidate at
+  ``settings`` trains ``make_tx(**settings)`` on ``loss_fn`` from ``params``
+  in ``style`` (:func:`cov_style` of it and the settings' ``cov_every``);
+  the settings named in ``est_options`` also build the one-pass styles'
+  estimator (``kfl.value_grad_and_stats``), which must match the
+  transform's."""
+  def optax_family(fid, name, grid, make_tx, style="grad", note="",
+                   est_options=()):
     def candidate(s):
+      est = {k: v for k, v in s.items() if k in est_options}
       return optax_candidate(name, s, cov_style(style, s.get("cov_every", 1)),
                              lambda: make_tx(**s), loss_fn, params,
-                             example_batch, seed)
+                             example_batch, seed, est)
     return Family(fid, name, grid, candidate, note)
   return optax_family
 
@@ -152,7 +157,7 @@ ESTIMATOR_OPTIONS = ("estimation", "num_samples", "stats_fraction",
 
 
 def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
-                  style, params=None, seed=0):
+                  style):
   """The K-FAC families of every time-to-target script.
 
   ``optax.chain(kfl.kfac(loss_fn, example), optax.sgd(lr, momentum=0.9))``
@@ -162,8 +167,7 @@ def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
   (or the options ``--set kfac_opt.KEY=...`` gives), its statistics from
   the one-pass estimate and ``batch=`` for its quadratic model
   (``"1-pass+batch="``; the estimator built with the same estimation
-  options). ``optax_family``: from :func:`optax_families`; ``params``,
-  ``seed``: the start of the ``kfac_optimizer`` runs.
+  options). ``optax_family``: from :func:`optax_families`.
   """
   return [
       optax_family("kfac", "K-FAC+SGD defaults", {"lr": list(lrs)},
@@ -179,15 +183,13 @@ def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
                    style=style,
                    note="other kfl.kfac settings at their defaults; the "
                    "defaults' runs compete"),
-      Family("kfac_opt", "kfl.kfac_optimizer", {},
-             lambda s: optax_candidate(
-                 "kfl.kfac_optimizer", s, "1-pass+batch=",
-                 lambda: kfl.kfac_optimizer(loss_fn, example, **s), loss_fn,
-                 params, example, seed,
-                 {k: v for k, v in s.items() if k in ESTIMATOR_OPTIONS}),
-             "defaults unless --set kfac_opt.KEY=...; one-pass statistics "
-             "(the estimator given the same estimation options), batch= for "
-             "the quadratic model")]
+      optax_family("kfac_opt", "kfl.kfac_optimizer", {},
+                   lambda **options: kfl.kfac_optimizer(loss_fn, example,
+                                                        **options),
+                   style="1-pass+batch=", est_options=ESTIMATOR_OPTIONS,
+                   note="defaults unless --set kfac_opt.KEY=...; one-pass "
+                   "statistics (the estimator given the same estimation "
+                   "options), batch= for the quadratic model")]
 
 
 def grid(**values) -> list[dict]:

@@ -83,8 +83,7 @@ def families(params, example, args):
   out += [
       *H.kfac_families(optax_family, loss_fn, example, kfac_lrs,
                        [1.0] if quick else [1.0, 10.0, 100.0],
-                       [1e-1] if quick else [3e-2, 3e-1], args.kfac_style,
-                       params, args.seed),
+                       [1e-1] if quick else [3e-2, 3e-1], args.kfac_style),
       # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
       # (SOAP); Adam's lr grid (README Results: where it pays).
       *H.eigen_adam_families(optax_family, loss_fn, example,

@@ -67,8 +67,7 @@ def families(loss_fn, params, example, args):
       *H.kfac_families(optax_family, loss_fn, example,
                        [0.03] if q else [0.01, 0.03, 0.1],
                        [0.1] if q else [1e-2, 1e-1, 1.0],
-                       [0.1] if q else [0.03, 0.1], args.kfac_style,
-                       params, args.seed),
+                       [0.1] if q else [0.03, 0.1], args.kfac_style),
       # Issue 26: Adam in the factors' eigenbasis, K-FAC's and Shampoo's
       # (SOAP); Adam's lr grid (README Results: where it pays).
       *H.eigen_adam_families(optax_family, loss_fn, example,
