@@ -56,7 +56,7 @@ def sharded_init(layers, blocks, *, axis_name, mesh, gather):
           "block for it (blocks=)")
   inverses = ({n: blocks_base.caches(st) for n, st in blocks.items()}
               if gather == "inverses" else None)
-  if _sharded_step.axis_is_bound(axis_name):
+  if estimators.axis_is_bound(axis_name):
     lay = sharding.plan(list(blocks), list(blocks.values()),
                         _sharded_step.device_count(axis_name), axis_name)
     return sharding.ShardedBlocks(_sharded_step.init_rows(lay, blocks), lay,

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kfac_jax_lite import estimators
 from kfac_jax_lite import tagging
 from kfac_jax_lite.blocks import base as blocks_base
 from kfac_jax_lite.factor import FactorState
@@ -28,10 +27,6 @@ def device_count(axis_name) -> int:
   """The size of the bound ``axis_name`` (a ``NameError`` if unbound)."""
   return jax.lax.psum(1, axis_name)
 
-
-# Whether ``axis_name`` is bound here (inside ``pmap``/``shard_map``): the
-# estimators' test, one copy.
-axis_is_bound = estimators.axis_is_bound
 
 
 def _gather(row, axis, devices, me):

@@ -356,7 +356,7 @@ def _update(cfg: _Kfac, updates, state, params=None, *, batch=None,
   if stats is None and batch is None:
     raise ValueError(_pending.missing("kfac.update"))
   mesh, axis_name = cfg.preconditioner.mesh, cfg.curvature.axis_name
-  if mesh is not None and not _sharded_step.axis_is_bound(axis_name):
+  if mesh is not None and not estimators.axis_is_bound(axis_name):
     examples = None if batch is None else cfg.layers(params, batch).examples
     out, state = _layouts.on_mesh(
         functools.partial(_run, cfg), examples, updates, state, params, batch,
