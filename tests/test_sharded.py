@@ -40,26 +40,35 @@ TOL = td.MULTIHOST_TOL
 PATIENT = "--xla_cpu_collective_call_terminate_timeout_seconds=300"
 
 
-def _run(env):
-  cmd = [sys.executable, WORKER, "sharded", "--devices", "8"]
+def _run(scenario, env):
+  cmd = [sys.executable, WORKER, scenario, "--devices", "8"]
   try:
     return subprocess.run(cmd, env=env, capture_output=True, text=True,
                           timeout=400, cwd=os.path.dirname(HERE))
   except subprocess.TimeoutExpired as e:
-    pytest.fail(f"sharded worker timed out; stderr:\n{(e.stderr or b'')[-3000:]!r}")
+    pytest.fail(f"{scenario} worker timed out; stderr:\n"
+                f"{(e.stderr or b'')[-3000:]!r}")
+
+
+def run_worker(scenario, patient=True):
+  """``_sharded_worker.py``'s ``scenario`` on 8 CPU devices, parsed; with
+  ``patient``, XLA's collectives wait up to 300 s (where the flag is
+  known)."""
+  env = td._env(8)
+  proc = None
+  if patient:
+    proc = _run(scenario, dict(env, XLA_FLAGS=f"{env['XLA_FLAGS']} {PATIENT}"))
+  if proc is None or (proc.returncode and "nknown flag" in proc.stderr):
+    proc = _run(scenario, env)
+  if proc.returncode:
+    pytest.fail(f"{scenario} worker exited with {proc.returncode}:\n"
+                f"{proc.stderr[-5000:]}")
+  return td._parse(proc.stdout, proc.stderr, scenario)
 
 
 @functools.lru_cache(maxsize=None)
 def result():
-  env = td._env(8)
-  patient = dict(env, XLA_FLAGS=f"{env['XLA_FLAGS']} {PATIENT}")
-  proc = _run(patient)
-  if proc.returncode and "nknown flag" in proc.stderr:
-    proc = _run(env)
-  if proc.returncode:
-    pytest.fail(f"sharded worker exited with {proc.returncode}:\n"
-                f"{proc.stderr[-5000:]}")
-  return td._parse(proc.stdout, proc.stderr, "sharded")
+  return run_worker("sharded")
 
 
 def _same(got, want, **tol):

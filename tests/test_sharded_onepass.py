@@ -16,17 +16,13 @@ taken in another order.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import test_distributed as td
+import test_sharded
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "_sharded_worker.py")
 STEPS = 6
 TOL = dict(depth=STEPS)
 F64 = 8  # bytes
@@ -37,18 +33,7 @@ SCALARS = 8 * F64
 
 @functools.lru_cache(maxsize=None)
 def result():
-  env = td._env(8)
-  cmd = [sys.executable, WORKER, "onepass", "--devices", "8"]
-  try:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=400, cwd=os.path.dirname(HERE))
-  except subprocess.TimeoutExpired as e:
-    pytest.fail(f"onepass worker timed out; stderr:\n"
-                f"{(e.stderr or b'')[-3000:]!r}")
-  if proc.returncode:
-    pytest.fail(f"onepass worker exited with {proc.returncode}:\n"
-                f"{proc.stderr[-5000:]}")
-  return td._parse(proc.stdout, proc.stderr, "onepass")
+  return test_sharded.run_worker("onepass", patient=False)
 
 
 def test_estimate_per_device_has_the_whole_batch_mean():

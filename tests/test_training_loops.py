@@ -77,7 +77,12 @@ def test_linen_train_state_with_batch(name):
   model, params, loss_fn = _linen()
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=LINEN_TX[name](loss_fn))
+  _falls(_train_state_losses(state, loss_fn, STEPS)[1])
 
+
+def _train_state_losses(state, loss_fn, steps):
+  """``steps`` of flax's TrainState loop on ``BATCH`` with the README's one
+  added line: ``(state, losses)``."""
   @jax.jit
   def train_step(state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
@@ -86,10 +91,10 @@ def test_linen_train_state_with_batch(name):
     return state.apply_gradients(grads=grads), loss
 
   losses = []
-  for _ in range(STEPS):
+  for _ in range(steps):
     state, loss = train_step(state, BATCH)
     losses.append(float(loss))
-  _falls(losses)
+  return state, losses
   assert kfl.health(state.opt_state).steps == STEPS
 
 
@@ -312,17 +317,7 @@ def test_multisteps_with_batch_and_finders_through_combinators():
                         every_k_schedule=2)
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=tx)
-
-  @jax.jit
-  def train_step(state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
-    state = state.replace(opt_state=kfl.with_batch(state.opt_state, batch))
-    return state.apply_gradients(grads=grads), loss
-
-  losses = []
-  for _ in range(2 * STEPS):
-    state, loss = train_step(state, BATCH)
-    losses.append(float(loss))
+  state, losses = _train_state_losses(state, loss_fn, 2 * STEPS)
   _falls(losses)
   assert kfl.health(state.opt_state).steps == STEPS  # One per emitted step.
   assert bool(kfl.stats_due(state.opt_state))
