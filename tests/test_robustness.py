@@ -2,10 +2,10 @@
 
 * the defaults of ``kfl.kfac`` (what the README recommends) chained with
   ``optax.sgd(lr, momentum=0.9)`` train at lr 0.01 (the README's promise;
-  on this full-batch conv net with normalisation also at 0.1), the README's
-  recipe above lr 0.01 (``norm_constraint=(0.01 / lr)**2``) trains the
-  minibatch MLP at lr 0.03 and 0.1 with ``kfl.health`` ok, and
-  ``kfl.kfac_optimizer``'s defaults do not blow up;
+  on this full-batch conv net with normalisation also at 0.1), the
+  learning rate is a knob (the default best of {0.3x, 1x, 3x} on the
+  minibatch MLP, a run that blows up never called ok by ``kfl.health``),
+  and ``kfl.kfac_optimizer``'s defaults do not blow up;
 * bad arguments (non-positive damping, an empty batch, a ``stats_fraction``
   leaving < 2 examples) raise ``ValueError`` naming the problem; a bad
   damping that arrives traced skips and counts the update;
@@ -282,17 +282,48 @@ def test_health_reports_a_run_that_blows_up_its_parameters():
   assert "BLEW UP" in str(health)
 
 
-@pytest.mark.parametrize("lr", [0.03, 0.1])
-def test_readme_recipe_trains_above_lr_001(lr):
-  """The README promises the defaults at lr 0.01 and, above it, the lr
-  0.01 bound on the step's KL kept with ``norm_constraint=(0.01 / lr)**2``
-  (issue 24): 120 minibatch steps train and ``kfl.health`` (stalls and
-  blow-ups included) says ok."""
-  init, (params, state) = _run_sgd(lr, 120, norm_constraint=(0.01 / lr) ** 2)
-  start, end = float(loss_fn(init, BATCH)), float(loss_fn(params, BATCH))
-  assert np.isfinite(end) and end < 0.5 * start, (lr, start, end)
-  health = kfl.health(state)
-  assert health.ok, str(health)
+LR_SWEEP = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+def test_the_learning_rate_is_a_knob():
+  """Issue 36: K-FAC + SGD's learning rate acts as SGD users expect. With
+  the defaults (``norm_constraint=1``) the KL clip bounds ``u``'s length
+  in the preconditioner's metric (``√⟨u, g⟩``) by ``√norm_constraint``
+  before SGD multiplies it by the lr, so the lr scales every step, clipped
+  or not (the README's old ``norm_constraint=(0.01 / lr)**2`` undid that:
+  every clipped step was the same at every lr). On the test MLP (100
+  minibatch steps, the loss on 512 fresh examples): the default lr 0.01 is
+  the best of {0.3x, 1x, 3x} (within 10%, the issue's criterion; measured
+  0.116 against 0.21 and 0.19), both neighbours are measurably worse (not
+  an inert lr), and over a sweep 0.001-1 every run either trains with
+  ``kfl.health`` ok or health says it is not ok (0.1 and above blew up:
+  no run that blows up is called ok)."""
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH), optax.trace(decay=0.9))
+
+  @jax.jit
+  def run(params, lr):  # optax.sgd(lr, momentum=0.9), lr traced: one compile.
+    def step(carry, seed):
+      params, state = carry
+      batch = make_batch(seed)
+      grads = jax.grad(loss_fn)(params, batch)
+      updates, state = tx.update(grads, state, params, batch=batch)
+      updates = jax.tree.map(lambda u: -lr * u, updates)
+      return (optax.apply_updates(params, updates), state), None
+    return jax.lax.scan(step, (params, tx.init(params)), jnp.arange(100))[0]
+
+  init, held_out = init_params(), make_batch(1000, 512)
+  start = float(loss_fn(init, held_out))
+  final, ok = {}, {}
+  for lr in LR_SWEEP:
+    params, state = run(init, lr)
+    final[lr] = float(loss_fn(params, held_out))
+    ok[lr] = kfl.health(state).ok
+    trained = np.isfinite(final[lr]) and final[lr] < 0.5 * start
+    assert trained or not ok[lr], (lr, start, final[lr], str(kfl.health(state)))
+  around = [final[lr] for lr in (0.003, 0.01, 0.03)]
+  assert final[0.01] <= 1.1 * min(around), final
+  assert min(final[0.003], final[0.03]) > 1.3 * final[0.01], final
+  assert ok[0.003] and ok[0.01] and ok[0.03], ok
 
 
 # --- defaults ------------------------------------------------------------------------

@@ -33,9 +33,10 @@ Defaults (``damping=1e-3``, ``norm_constraint=1.0``, ``inverse_every=10``
 with the young refreshes) are the README's recommended settings: chained
 with ``optax.sgd(lr, momentum=0.9)`` at lr 0.01 they train ordinary small
 models (``benchmarks/robustness.py``). The KL clip bounds the update before
-the learning rate scales it: at a larger lr pass
-``norm_constraint=(0.01 / lr)**2`` to keep lr 0.01's bound (issue 24: with
-the defaults two Haiku conv nets did not train at lr 0.1).
+the learning rate scales it, so the lr scales every step, clipped or not:
+tune it as SGD's (0.003-0.03; issue 36). ``norm_constraint=(0.01 /
+lr)**2`` would keep lr 0.01's clipped step at every lr and so turn the lr
+off on clipped steps.
 
 Safe fallbacks (``kfl.health(state)`` prints every counter): non-finite
 gradients give a zero update (the step is skipped) and count in
