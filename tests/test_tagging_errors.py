@@ -88,6 +88,26 @@ def test_overrides_and_exclude():
     tl_ex.with_blocks({"fallback": B.KroneckerDense((3, 2))})
 
 
+def test_an_override_that_matches_nothing_is_an_error():
+  """A ``blocks=`` key must name a layer kind or match a parameter path of
+  a detected layer: ``{"l0": ...}`` for the parameters ``l0/w``, ``l0/b``
+  used to be ignored without a word. The error names the key, the paths
+  and the pattern that would match; a kind with no layer of its own in
+  this model (a conv override on an MLP) stays allowed."""
+  params = {"l0": P}
+  nested = lambda p, x: loss(p["l0"], x)
+  tl = find_layers(nested, params, X)
+  with pytest.raises(ValueError, match=r"blocks= key 'l0' .*l0/w.*'l0/\*'"):
+    tl.with_blocks({"l0": "diagonal"})
+  assert isinstance(tl.with_blocks({"l0/*": "diagonal"}).layers[0].block,
+                    B.DiagonalDense)
+  assert isinstance(tl.with_blocks({"conv": "diagonal"}).layers[0].block,
+                    B.KroneckerDense)
+  excluded = find_layers(nested, params, X, exclude=("l0/b",))
+  with pytest.raises(ValueError, match="excluded parameters have no block"):
+    excluded.with_blocks({"l0/b": "full"})
+
+
 def test_full_override_gets_per_example_gradients():
   c = jnp.array([0.1, 0.2, 0.3, 0.4])   # loss weights c_i (not summing to 1)
   tl = find_layers(loss, P, X).with_blocks({"w": "full"})

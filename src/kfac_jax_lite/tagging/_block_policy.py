@@ -68,8 +68,28 @@ def make_blocks(layers, overrides=None, *, damping_mode="pi",
   ``damping_mode`` (``"pi"`` or ``"exact"``) and ``weight_sharing``
   (``"expand"`` or ``"reduce"``) configure the default Kronecker blocks.
   """
+  _check_keys(overrides, layers)
   return tuple(_block(l, find_override(overrides, l.params, l.kind),
                       damping_mode, weight_sharing) for l in layers)
+
+
+def _check_keys(overrides, layers):
+  """A ``blocks=`` key that is neither a layer kind nor matches a detected
+  layer's parameter path would be ignored: a ``ValueError`` naming it and
+  the paths it could have meant."""
+  paths = [p for l in layers for p in l.params]
+  for pattern in overrides or ():
+    if pattern in _kinds.REGISTRY or any(
+        p == pattern or fnmatch.fnmatchcase(p, pattern) for p in paths):
+      continue
+    near = [p for p in paths if p.startswith(pattern.rstrip("/*") + "/")]
+    hint = (f"; to take the parameters under it use the pattern "
+            f"{pattern.rstrip('/') + '/*'!r}" if near else "")
+    shown = ", ".join(paths[:12]) + (", ..." if len(paths) > 12 else "")
+    raise ValueError(
+        f"blocks= key {pattern!r} is neither a layer kind "
+        f"{tuple(_kinds.REGISTRY)} nor matches a parameter of a detected "
+        f"layer (paths: {shown}; excluded parameters have no block){hint}")
 
 
 def with_blocks(tagged, overrides=None, *, damping_mode="pi",
