@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _distributed_worker as W  # noqa: E402
@@ -362,14 +363,20 @@ def scenario_onepass(args):
                    ("replicated", make(axis_name="data", mesh=mesh,
                                        layout="replicated")),
                    ("no_mesh", make())):
-    p, s, step = run(tx, on_mesh)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      p, s, step = run(tx, on_mesh)
+    result.setdefault("warnings", {})[name] = [str(w.message) for w in caught]
     caches = (_state_caches(s[0]) if name == "sharded" else W.caches(s[0]))
     result[name] = dict(params=W.tolist(p), caches=W.tolist(caches))
     if name == "sharded":
       b = jax.device_put(batches[0], data)
       result["hlo_mesh"] = _hlo_summary(step.lower(params, s, b).compile())
       tx0 = make(axis_name="data", mesh=mesh)
-      _, s0, step0 = run(tx0, plain)  # Today's way: the estimator unaware.
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, s0, step0 = run(tx0, plain)  # The estimator unaware of the mesh.
+      result["warnings"]["plain"] = [str(w.message) for w in caught]
       result["hlo_plain"] = _hlo_summary(step0.lower(params, s0, b).compile())
   shapes = jax.eval_shape(plain, params, batches[0], key)
   stats, _ = kfl.estimators.split_run(shapes.stats)

@@ -103,6 +103,19 @@ def test_statistics_reach_their_owners_by_reduce_scatter():
       "cond"] == 0
 
 
+def test_statistics_summed_before_a_sharded_layout_are_reported():
+  """Not silent: statistics of an estimator unaware of the mesh, given to
+  the sharded layout on a mesh, warn (once per trace) and name the fix;
+  per-device statistics, and the replicated layout (which needs the sum),
+  do not."""
+  caught = {name: [m for m in messages if "summed over the devices" in m]
+            for name, messages in result()["warnings"].items()}
+  assert caught["plain"], caught  # One per trace (the step traces twice).
+  assert all("value_grad_and_stats(..., axis_name='data', mesh=mesh)" in m
+             for m in caught["plain"])
+  assert not caught["sharded"] + caught["replicated"] + caught["no_mesh"]
+
+
 def test_mesh_needs_one_of_its_axes():
   import jax
   import kfac_jax_lite as kfl

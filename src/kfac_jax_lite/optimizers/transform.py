@@ -76,6 +76,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 import functools
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import chex
@@ -358,6 +359,15 @@ def _update(cfg: _Kfac, updates, state, params=None, *, batch=None,
     raise ValueError(_pending.missing("kfac.update"))
   mesh, axis_name = cfg.preconditioner.mesh, cfg.curvature.axis_name
   if mesh is not None and not estimators.axis_is_bound(axis_name):
+    if (stats is not None and cfg.layout == "sharded"
+        and mesh.shape[axis_name] > 1 and not estimators.is_per_device(stats)):
+      warnings.warn(
+          "kfac_jax_lite: kfl.kfac(mesh=) got statistics summed over the "
+          "devices (kfl.value_grad_and_stats without mesh=): XLA all-reduces "
+          "them before the sharded layout can reduce-scatter them to their "
+          "owners. Pass value_grad_and_stats(..., axis_name="
+          f"{axis_name!r}, mesh=mesh) to send each device its share only.",
+          UserWarning, stacklevel=3)
     examples = None if batch is None else cfg.layers(params, batch).examples
     out, state = _layouts.on_mesh(
         functools.partial(_run, cfg), examples, updates, state, params, batch,
