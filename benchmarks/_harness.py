@@ -98,6 +98,10 @@ AMORTISED = {
     "shared": {"estimation": "empirical_shared"},
     "cov5_inv20": {"cov_every": 5, "inverse_every": 20},
     "frac8_inv20": {"stats_fraction": 0.125, "inverse_every": 20},
+    # Issue 36: the winner on the conv net and the char LM, amortised.
+    "shared_cov2": {"estimation": "empirical_shared", "cov_every": 2},
+    "shared_inv20": {"estimation": "empirical_shared", "inverse_every": 20},
+    "shared_frac4": {"estimation": "empirical_shared", "stats_fraction": 0.25},
 }
 _EST_KEYS = ("estimation", "stats_fraction")
 

@@ -50,9 +50,10 @@ def time_to(record, metric, target):
 def _at_edge(record, grids):
   """The settings of ``record`` that sit at an end of a grid of 2+ values."""
   g = grids.get(record["family"], {})
+  numbers = lambda values: [x for x in values if isinstance(x, (int, float))]
   return [k for k, v in record["settings"].items()
-          if len(g.get(k, ())) > 1 and isinstance(v, (int, float))
-          and v in (min(g[k]), max(g[k]))]
+          if len(numbers(g.get(k, ()))) > 1 and isinstance(v, (int, float))
+          and v in (min(numbers(g[k])), max(numbers(g[k])))]
 
 
 def report(records, metrics, reference, grids, compete=None,
