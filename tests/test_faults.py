@@ -184,6 +184,37 @@ def test_eigen_adam_survives_a_nan_batch_and_health_reads_it(basis):
       "kfac: recovered after 1 bad batch at step 3"), str(h)
 
 
+@pytest.mark.parametrize("cov_every", [1, 2])
+def test_eigen_adam_with_batch_reads_its_own_pass_loss_and_labels(cov_every):
+  """``eigen_adam(basis="kfac")`` stepped with ``batch=`` computes the
+  statistics itself: that pass's loss reaches ``kfl.health`` (on the steps
+  it runs) and a label outside the classes skips the step, factors and
+  moments kept, counted as a bad input (it used to train on the wrapped
+  label with health "ok", "loss not seen")."""
+  ea = optax.chain(kfl.eigen_adam(loss_fn, BATCH, cov_every=cov_every),
+                   optax.scale_by_learning_rate(1e-2))
+
+  @jax.jit
+  def step(params, state, batch):
+    grads = jax.grad(loss_fn)(params, batch)
+    u, state = ea.update(grads, state, params, batch=batch)
+    return optax.apply_updates(params, u), state, u
+
+  params, state = PARAMS, ea.init(PARAMS)
+  for t in range(6):
+    params, state, u = step(params, state, BATCH)
+  assert kfl.health(state).num_losses == 6 // cov_every
+  before = state
+  params, state, u = step(params, state, _labels(-1))
+  assert _zero(u)
+  for new, old in zip(jax.tree.leaves(state[0].blocks),
+                      jax.tree.leaves(before[0].blocks)):
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+  h = kfl.health(state)
+  assert h.bad_inputs == 1 and not h.ok, str(h)
+  assert h.num_losses == 6 // cov_every, str(h)
+
+
 # ------------------------------------------------ mismatched states
 
 def _two_layer_state():

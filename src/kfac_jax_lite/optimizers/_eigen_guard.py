@@ -29,10 +29,12 @@ def init(params) -> dict:
                   params, fac.float_dtype(jax.tree.leaves(params))))
 
 
-def guarded(old, new, out, grad_leaves, params, loss, bad_targets):
+def guarded(old, new, out, grad_leaves, params, loss, bad_targets,
+            seen=None):
   """``(updates, state)``: ``out`` and ``new`` (an ``EigenAdamState``
   after one update from ``old``) when the gradient ``grad_leaves``,
-  ``loss`` (None: not seen), the targets (``bad_targets``: their count
+  ``loss`` (None: not seen; ``seen``, a traced bool, says on which steps it
+  was when not every step), the targets (``bad_targets``: their count
   outside their support, or None) and ``out`` are all good; else a zero
   update and ``old``'s moments and factors, with the event counted."""
   dtype = fac.float_dtype(params)
@@ -52,7 +54,9 @@ def guarded(old, new, out, grad_leaves, params, loss, bad_targets):
   out = [jnp.where(good, u, jnp.zeros_like(u)) for u in out]
   params_ok = fac.all_finite(params)
   count = lambda x: jnp.asarray(x).astype(jnp.int32)
-  seen = (jnp.zeros((), dtype) if loss is None else loss, loss is not None)
+  # A loss of bad targets is not the run's (as kfl.kfac's): left out.
+  seen = (jnp.zeros((), dtype) if loss is None else loss,
+          (loss is not None if seen is None else seen) & targets_ok)
   health = _health_state.update(old.health, old.count == 0, params,
                                 jnp.zeros((), bool), *seen, dtype)
   health = _health_state.events(

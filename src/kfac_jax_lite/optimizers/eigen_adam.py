@@ -247,10 +247,13 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``: ``init(params)`` and
-    ``update(grads, state, params, *, batch=None, stats=None)`` (other
-    keyword arguments, such as ``loss=``, are accepted and not used)
+    ``update(grads, state, params, *, batch=None, stats=None, loss=None)``
     (``basis="kfac"`` needs ``batch=`` or ``stats=``, an
-    ``Estimate.stats`` of ``kfl.value_grad_and_stats``).
+    ``Estimate.stats`` of ``kfl.value_grad_and_stats``). The loss the
+    guard and ``kfl.health`` read is ``loss=``, else the run entry of
+    ``stats=``, else (``basis="kfac"`` with ``batch=``) the statistics
+    pass's, whose labels are checked too; other keyword arguments are
+    accepted and not used.
 
   References:
     George, T., Laurent, C., Bouthillier, X., Ballas, N. and Vincent, P.
@@ -417,8 +420,9 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
   treedef = jax.tree.structure(updates)
   count_inc = optax.safe_increment(state.count)
   if cfg.adam.basis == "kfac":  # This step's statistics, then its basis.
-    states, mu_b, nu_b = _refresh_due(cfg, s, _fold_due(cfg, s, state.blocks),
-                                      state.mu_basis, state.nu_basis)
+    folded, own = _fold_due(cfg, s, state.blocks)
+    states, mu_b, nu_b = _refresh_due(cfg, s, folded, state.mu_basis,
+                                      state.nu_basis)
     out, mu_b, nu_b, mu, nu = _adam_step(cfg, s, state, states, mu_b, nu_b,
                                          count_inc)
   else:
@@ -429,8 +433,8 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
     mu_b, nu_b, mu, nu = jax.tree.map(
         lambda new, old: jnp.where(first, old, new), tuple(moments),
         (state.mu_basis, state.nu_basis, state.mu, state.nu))
-    states, mu_b, nu_b = _refresh_due(cfg, s, _fold_due(cfg, s, state.blocks),
-                                      mu_b, nu_b)
+    folded, own = _fold_due(cfg, s, state.blocks)
+    states, mu_b, nu_b = _refresh_due(cfg, s, folded, mu_b, nu_b)
   new_state = EigenAdamState(
       count=count_inc,
       stats_due=(jnp.mod(count_inc, cfg.curvature.cov_every) == 0
@@ -440,14 +444,26 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
   bad = None if run is None else run["bad_targets"]
   if cfg.curvature.axis_name is not None:  # One verdict on every device.
     loss, bad = jax.lax.pmean((loss, bad), cfg.curvature.axis_name)
+  seen = None
+  if s.batch is not None and s.stats is None and cfg.adam.basis == "kfac":
+    # The statistics' own pass on batch= (already averaged over the
+    # devices): its loss and labels, on the steps it ran.
+    own_loss, own_bad, ran = own
+    if loss is None:
+      loss, seen = own_loss, ran
+    bad = own_bad if bad is None else bad + own_bad
   out, new_state = _eigen_guard.guarded(state, new_state, out, s.leaves,
-                                        params, loss, bad)
+                                        params, loss, bad, seen=seen)
   return _find.rewrap(grads, jax.tree.unflatten(treedef, out)), new_state
 
 
 def _fold(cfg: _EigenAdam, s: _Step, blocks):
-  """This step's statistics into the factors."""
+  """This step's statistics into the factors: ``(blocks, (loss, bad
+  targets, ran))``, the last three from the statistics' own pass on
+  ``batch=`` (zeros and False without one)."""
   c = cfg.curvature
+  dtype = float_dtype(s.params)
+  own = (jnp.zeros((), dtype), jnp.zeros((), dtype), jnp.zeros((), bool))
   if cfg.adam.basis == "shampoo":
     new = {l.name: per_slice(l, lambda v, b=inner_block(l.block):
                              shampoo_stats(b, v))(s.vectors[l.name])
@@ -457,23 +473,30 @@ def _fold(cfg: _EigenAdam, s: _Step, blocks):
   elif s.stats is not None:
     new = jax.lax.pmean(s.stats, c.axis_name) if c.axis_name else s.stats
   else:
-    dtype = float_dtype(s.params)
     all_states = {l.name: (blocks[l.name] if l.name in blocks
                            else l.block.init(dtype)) for l in s.tagged.layers}
-    new, _ = transform.statistics(
+    new, loss = transform.statistics(
         s.tagged, s.params, s.batch, s.stats_key, all_states,
         estimation=c.estimation, num_samples=c.num_samples,
         stats_fraction=c.stats_fraction, axis_name=c.axis_name)
-  return transform.accumulate(s.layers, blocks, new, c.cov_decay)
+    new, run = estimators.split_run(new)
+    bad = jnp.zeros((), dtype) if run is None else run["bad_targets"]
+    own = (jnp.asarray(loss, dtype), jnp.asarray(bad, dtype),
+           jnp.ones((), bool))
+  return transform.accumulate(s.layers, blocks, new, c.cov_decay), own
 
 
 def _fold_due(cfg: _EigenAdam, s: _Step, blocks):
-  """``_fold`` on the counts that are multiples of ``cov_every``."""
+  """``_fold`` on the counts that are multiples of ``cov_every`` (else the
+  blocks as they were, and no pass)."""
   every = cfg.curvature.cov_every
   if every == 1:
     return _fold(cfg, s, blocks)
+  dtype = float_dtype(s.params)
+  idle = lambda b: (b, (jnp.zeros((), dtype), jnp.zeros((), dtype),
+                        jnp.zeros((), bool)))
   return jax.lax.cond(s.count % every == 0, functools.partial(_fold, cfg, s),
-                      lambda b: b, blocks)
+                      idle, blocks)
 
 
 def _refresh_due(cfg: _EigenAdam, s: _Step, states, mu_b, nu_b):
