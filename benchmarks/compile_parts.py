@@ -1,0 +1,181 @@
+"""Where the K-FAC step's compile time goes (issue 36's goal: at most 2x Adam's).
+
+    python benchmarks/compile_parts.py             # the MNIST autoencoder, batch 1000
+    python benchmarks/compile_parts.py --quick     # a small autoencoder
+
+Lowers and compiles (``jax.jit(step).lower(...).compile()``, nothing run)
+the one-pass step of ``_models``' autoencoder (``--estimation``, default
+``empirical_shared``) for SGD, Adam, the estimator alone with SGD, and
+``optax.chain(kfl.kfac(...), optax.sgd(...))``; then the K-FAC step again
+with its stages replaced one after the other by the identity (the refresh,
+then the preconditioning, then the accumulation of the statistics: the
+names ``kfac_jax_lite.optimizers.transform`` calls them by), so the
+differences price each stage's program. Last, the factor inversions of
+the refresh alone (``kfl.factor.INVERSES["gauss_jordan"]`` of
+identity matrices of the factors' sizes), one call per factor against one
+``lax.map`` per padded size (the factors of a size stacked). Prints
+seconds of tracing and lowering, of XLA's compile, and the compiled
+program's text size; compile times vary from run to run by ~10%.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _models as M  # noqa: E402
+from _kfl import kfl  # noqa: E402
+
+FULL = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
+QUICK = (64, 32, 16, 32, 64)
+
+
+def compile_time(fn, *args):
+  """``(seconds to trace and lower, seconds to compile, HLO characters)``."""
+  import jax
+  t0 = time.perf_counter()
+  lowered = jax.jit(fn).lower(*args)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  return t1 - t0, t2 - t1, len(compiled.as_text())
+
+
+def steps(dims, batch_size, estimation):
+  """``[(name, fn, args)]``: the steps whose programs are compared."""
+  import jax
+  import optax
+  loss_fn = M.make_autoencoder_loss()
+  params = M.autoencoder_init(dims, jax.random.PRNGKey(0))
+  batch = {"x": jax.random.uniform(jax.random.PRNGKey(1),
+                                   (batch_size, dims[0]))}
+  key = jax.random.PRNGKey(2)
+  est_fn = kfl.value_grad_and_stats(loss_fn, params, batch,
+                                    estimation=estimation)
+
+  def plain(tx):
+    def step(p, s, b):
+      g = jax.grad(loss_fn)(p, b)
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+    return step, (params, tx.init(params), batch)
+
+  sgd = optax.sgd(0.01, momentum=0.9)
+
+  def estimator_only(p, s, b, k):
+    e = est_fn(p, b, k)
+    u, s = sgd.update(e.grads, s, p)
+    return optax.apply_updates(p, u), s, e.stats
+
+  def kfac_step():
+    tx = optax.chain(kfl.kfac(loss_fn, batch, estimation=estimation),
+                     optax.sgd(0.01, momentum=0.9))
+
+    def step(p, s, b, k):
+      e = est_fn(p, b, k)
+      u, s = tx.update(e.grads, s, p, stats=e.stats)
+      return optax.apply_updates(p, u), s
+    return step, (params, tx.init(params), batch, key)
+
+  return [("SGD", *plain(sgd)), ("Adam", *plain(optax.adam(1e-3))),
+          ("estimator + SGD", estimator_only,
+           (params, sgd.init(params), batch, key)),
+          ("K-FAC + SGD", *kfac_step())], kfac_step
+
+
+def stage_rows(kfac_step):
+  """The K-FAC step with its stages replaced by the identity, cumulatively:
+  ``[(name, measure)]``, ``measure()`` tracing and compiling under the
+  replacements (they are undone after each)."""
+  from kfac_jax_lite.optimizers import transform as T
+  stubs = [("refresh", lambda layers, states, *a, **k: states),
+           ("precondition", lambda layers, states, leaves, lam, power:
+            list(leaves)),
+           ("accumulate", lambda layers, states, stats, decay: states)]
+  names = ["  without the refresh", "  ... and the preconditioning",
+           "  ... and the accumulation"]
+
+  def measure(upto):
+    saved = {}
+    try:
+      for attr, stub in stubs[:upto]:
+        if not callable(getattr(T, attr, None)):  # Renamed: no silent row.
+          raise SystemExit(f"kfac_jax_lite.optimizers.transform has no "
+                           f"{attr}")
+        saved[attr] = getattr(T, attr)
+        setattr(T, attr, stub)
+      fn, args = kfac_step()
+      return compile_time(fn, *args)
+    finally:
+      for attr, fn in saved.items():
+        setattr(T, attr, fn)
+  return [(name, lambda k=k: measure(k)) for k, name in enumerate(names, 1)]
+
+
+def inversion_rows(dims):
+  """The refresh's inversions alone: per factor, and grouped by padded size."""
+  import jax
+  import jax.numpy as jnp
+  sizes = [d + 1 for d in dims[:-1]] + list(dims[1:])  # A (with bias), G.
+  invert = kfl.factor.INVERSES["gauss_jordan"]  # ((C + d·I)⁻¹, ok).
+  mats = [2.0 * jnp.eye(n) for n in sizes]
+  block = 64
+  padded = lambda n: max(1, -(-n // block)) * block
+
+  def separate(ms):
+    return [invert(m, 0.0)[0] for m in ms]
+
+  def grouped(ms):
+    out = [None] * len(ms)
+    groups = {}
+    for i, n in enumerate(sizes):
+      groups.setdefault(padded(n), []).append(i)
+    for size, idx in groups.items():
+      stack = jnp.stack([jnp.pad(ms[i], [(0, size - sizes[i])] * 2)
+                         + jnp.diag(jnp.arange(size) >= sizes[i]).astype(
+                             ms[i].dtype) for i in idx])
+      inv = jax.lax.map(lambda a: invert(a, 0.0)[0], stack)
+      for j, i in enumerate(idx):
+        out[i] = inv[j, :sizes[i], :sizes[i]]
+    return out
+  return [(f"{len(sizes)} inversions, one call each", separate, (mats,)),
+          (f"  grouped by padded size ({len({padded(n) for n in sizes})} "
+           "lax.maps)", grouped, (mats,))]
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true", help="a small autoencoder")
+  p.add_argument("--batch", type=int, default=None,
+                 help="default 1000 (quick: 64)")
+  p.add_argument("--estimation", default="empirical_shared",
+                 choices=("fisher", "empirical_shared", "empirical", "exact"))
+  args = p.parse_args(argv)
+  import jax
+  dims = QUICK if args.quick else FULL
+  batch = args.batch or (64 if args.quick else 1000)
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; autoencoder "
+        f"{'-'.join(map(str, dims))}, batch {batch}, one-pass "
+        f"estimation={args.estimation}")
+  base, kfac_step = steps(dims, batch, args.estimation)
+  measured = lambda fn, fargs: lambda: compile_time(fn, *fargs)
+  rows = ([(name, measured(fn, fargs)) for name, fn, fargs in base]
+          + stage_rows(kfac_step)
+          + [(name, measured(fn, fargs))
+             for name, fn, fargs in inversion_rows(dims)])
+  adam = None
+  print(f"{'program':44s} {'trace+lower s':>13s} {'compile s':>10s} "
+        f"{'x Adam':>7s} {'HLO kchars':>11s}")
+  for name, measure in rows:
+    lower, comp, chars = measure()
+    adam = comp if name == "Adam" else adam
+    ratio = f"{comp / adam:6.1f}x" if adam else "      -"
+    print(f"{name:44s} {lower:13.2f} {comp:10.2f} {ratio:>7s} "
+          f"{chars / 1e3:11.0f}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
