@@ -22,6 +22,20 @@ def test_non_scalar_loss():
     find_layers(lambda p, x: x @ p["w"], P, X)
 
 
+def test_a_loss_that_uses_a_params_hole_names_the_filtered_model():
+  """Params holding None where the loss expects a function (a filtered
+  Equinox model): the trace's TypeError gets the reason and the fix; a
+  TypeError of a loss whose params hold no None is left as it is."""
+  holed = {"w": P["w"], "b": P["b"], "act": None}
+  uses_hole = lambda p, x: jnp.mean(p["act"](x @ p["w"] + p["b"]) ** 2)
+  with pytest.raises(TypeError, match=r"hold None in 1 place.*eqx\.combine"):
+    find_layers(uses_hole, holed, X)
+  broken = lambda p, x: None(x)  # noqa: E731  (its own TypeError)
+  with pytest.raises(TypeError, match="not callable") as info:
+    find_layers(broken, P, X)
+  assert "eqx" not in str(info.value)
+
+
 def test_aux_needs_has_aux():
   with pytest.raises(ValueError, match="has_aux"):
     find_layers(lambda p, x: (loss(p, x), 0.0), P, X)

@@ -222,6 +222,29 @@ def test_equinox_filter_loop():
   _falls(losses)
 
 
+def test_equinox_loss_of_the_model_gets_an_error_naming_the_fix():
+  """Equinox's own loss, ``loss(model, batch)``, handed to K-FAC as it is:
+  with the filtered arrays as params the loss calls the activation, which
+  is None there, inside the trace ('NoneType' object is not callable); with
+  the whole model as params the signature check met the activation
+  ('Cannot determine dtype of <custom_jvp ...>'). Both now name the fix,
+  at ``init``."""
+  import equinox as eqx
+  model = eqx.nn.MLP(5, 3, 8, depth=1, activation=jax.nn.relu,
+                     key=jax.random.PRNGKey(2))
+
+  def loss(model, batch):
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(
+        jax.vmap(model)(x), y).mean()
+  tx = kfl.kfac(loss, BATCH)
+  with pytest.raises(TypeError, match=r"hold None in 2 place.*eqx\.combine"):
+    tx.init(eqx.filter(model, eqx.is_array))
+  with pytest.raises(TypeError, match="'activation' is a custom_jvp, not an "
+                     "array.*eqx.filter"):
+    tx.init(model)
+
+
 # ---------------------------------------------------------------- Haiku
 
 

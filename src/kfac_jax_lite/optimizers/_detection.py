@@ -11,8 +11,18 @@ from kfac_jax_lite import tagging
 
 def _signature(tree):
   leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((tuple(jnp.shape(x)), str(jnp.result_type(x)))
-                        for x in leaves)
+  return treedef, tuple(_leaf_signature(x) for x in leaves)
+
+
+def _leaf_signature(x):
+  """``(shape, dtype)`` of a leaf; for one that is not an array (a whole
+  Equinox model's functions), its type, so that the detection itself says
+  what is wrong with it (``tagging``'s parameter check)."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return tuple(x.shape), str(jnp.result_type(x))
+  if isinstance(x, (bool, int, float, complex)):
+    return (), str(jnp.result_type(x))
+  return None, type(x).__qualname__
 
 
 def find_layers_cached(cache: dict, loss_fn, params, example_batch, **options):

@@ -204,8 +204,13 @@ class TaggedLoss:
       raise ValueError(f"params structure {ptree} differs from the traced "
                        f"params structure {self.param_treedef}")
     fn = self.loss_fn
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
-        jax.tree.map(_vma.abstract, params), jax.tree.map(_vma.abstract, batch))
+    try:
+      closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
+          jax.tree.map(_vma.abstract, params),
+          jax.tree.map(_vma.abstract, batch))
+    except TypeError as e:
+      _raise_if_filtered(e, params)
+      raise
     if self.has_aux:
       if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2):
         raise ValueError("has_aux=True: loss_fn must return (loss, aux)")
@@ -442,6 +447,24 @@ class TaggedLoss:
     # A layer of ``row_uses`` gives one pseudo-example: the sum over the
     # batch of the per-example gradients, ``[S?, 1, *shape]``.
     return out
+
+
+def _raise_if_filtered(error: TypeError, params):
+  """A clear ``TypeError`` for a loss that used a field its params hold as
+  None: Equinox's ``eqx.filter(model, eqx.is_array)`` (and any filtered
+  pytree) keeps the model's functions as None, and the loss, written for
+  the whole model, then calls None inside the trace."""
+  holes = [x for x in jax.tree.leaves(params, is_leaf=lambda x: x is None)
+           if x is None]
+  if holes and "NoneType" in str(error):
+    raise TypeError(
+        f"loss_fn raised {type(error).__name__}: {error} while traced with "
+        f"params that hold None in {len(holes)} place(s), as a filtered "
+        "model does (eqx.filter(model, eqx.is_array)). The curvature is "
+        "traced from loss_fn(params, batch) with the params given: pass a "
+        "loss of the arrays alone, e.g. params, static = eqx.partition("
+        "model, eqx.is_array) and loss_fn = lambda p, b: loss("
+        "eqx.combine(p, static), b)") from error
 
 
 def find_layers(loss_fn: Callable, params, batch, *, has_aux=False,
