@@ -28,7 +28,6 @@ def device_count(axis_name) -> int:
   return jax.lax.psum(1, axis_name)
 
 
-
 def _gather(row, axis, devices, me):
   """``[D, P]``: every device's ``row``, the same on every device. Inside
   ``shard_map(check_vma=True)`` the result must be typed invariant over

@@ -48,6 +48,12 @@ CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal", "ekfac"
            ) + SERIES_CHOICES
 
 
+def _matches(pattern, paths):
+  """Whether ``pattern`` (an exact path or an ``fnmatch`` pattern) names
+  one of ``paths``."""
+  return any(p == pattern or fnmatch.fnmatchcase(p, pattern) for p in paths)
+
+
 def find_override(overrides, paths, kind):
   """The override for a layer with parameter ``paths`` and ``kind``."""
   if not overrides:
@@ -55,7 +61,7 @@ def find_override(overrides, paths, kind):
   for pattern, choice in overrides.items():
     if pattern in _kinds.REGISTRY:
       continue
-    if any(p == pattern or fnmatch.fnmatchcase(p, pattern) for p in paths):
+    if _matches(pattern, paths):
       return choice
   return overrides.get(kind)
 
@@ -79,8 +85,7 @@ def _check_keys(overrides, layers):
   the paths it could have meant."""
   paths = [p for l in layers for p in l.params]
   for pattern in overrides or ():
-    if pattern in _kinds.REGISTRY or any(
-        p == pattern or fnmatch.fnmatchcase(p, pattern) for p in paths):
+    if pattern in _kinds.REGISTRY or _matches(pattern, paths):
       continue
     near = [p for p in paths if p.startswith(pattern.rstrip("/*") + "/")]
     hint = (f"; to take the parameters under it use the pattern "
