@@ -444,14 +444,14 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
   bad = None if run is None else run["bad_targets"]
   if cfg.curvature.axis_name is not None:  # One verdict on every device.
     loss, bad = jax.lax.pmean((loss, bad), cfg.curvature.axis_name)
-  seen = None
-  if s.batch is not None and s.stats is None and cfg.adam.basis == "kfac":
-    # The statistics' own pass on batch= (already averaged over the
-    # devices): its loss and labels, on the steps it ran.
-    own_loss, own_bad, ran = own
-    if loss is None:
-      loss, seen = own_loss, ran
-    bad = own_bad if bad is None else bad + own_bad
+  # The statistics' own pass on batch= (already averaged over the
+  # devices): its loss and labels, on the steps it ran (else 0s, not seen).
+  own_loss, own_bad, seen = own
+  if loss is None:
+    loss = own_loss
+  else:
+    seen = None  # loss= (or the stats' run entry): seen on every step.
+  bad = own_bad if bad is None else bad + own_bad
   out, new_state = _eigen_guard.guarded(state, new_state, out, s.leaves,
                                         params, loss, bad, seen=seen)
   return _find.rewrap(grads, jax.tree.unflatten(treedef, out)), new_state
@@ -462,8 +462,7 @@ def _fold(cfg: _EigenAdam, s: _Step, blocks):
   targets, ran))``, the last three from the statistics' own pass on
   ``batch=`` (zeros and False without one)."""
   c = cfg.curvature
-  dtype = float_dtype(s.params)
-  own = (jnp.zeros((), dtype), jnp.zeros((), dtype), jnp.zeros((), bool))
+  own = _no_pass(float_dtype(s.params))
   if cfg.adam.basis == "shampoo":
     new = {l.name: per_slice(l, lambda v, b=inner_block(l.block):
                              shampoo_stats(b, v))(s.vectors[l.name])
@@ -473,6 +472,7 @@ def _fold(cfg: _EigenAdam, s: _Step, blocks):
   elif s.stats is not None:
     new = jax.lax.pmean(s.stats, c.axis_name) if c.axis_name else s.stats
   else:
+    dtype = float_dtype(s.params)
     all_states = {l.name: (blocks[l.name] if l.name in blocks
                            else l.block.init(dtype)) for l in s.tagged.layers}
     new, loss = transform.statistics(
@@ -486,15 +486,19 @@ def _fold(cfg: _EigenAdam, s: _Step, blocks):
   return transform.accumulate(s.layers, blocks, new, c.cov_decay), own
 
 
+def _no_pass(dtype):
+  """``_fold``'s ``(loss, bad targets, ran)`` of a step without its own
+  statistics pass."""
+  return jnp.zeros((), dtype), jnp.zeros((), dtype), jnp.zeros((), bool)
+
+
 def _fold_due(cfg: _EigenAdam, s: _Step, blocks):
   """``_fold`` on the counts that are multiples of ``cov_every`` (else the
   blocks as they were, and no pass)."""
   every = cfg.curvature.cov_every
   if every == 1:
     return _fold(cfg, s, blocks)
-  dtype = float_dtype(s.params)
-  idle = lambda b: (b, (jnp.zeros((), dtype), jnp.zeros((), dtype),
-                        jnp.zeros((), bool)))
+  idle = lambda b: (b, _no_pass(float_dtype(s.params)))
   return jax.lax.cond(s.count % every == 0, functools.partial(_fold, cfg, s),
                       idle, blocks)
 
