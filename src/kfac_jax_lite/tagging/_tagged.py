@@ -29,6 +29,11 @@ from kfac_jax_lite.tagging._loss_tags import LossTag, find_loss_tags
 VERIFY_LIMIT = 1 << 20
 
 
+# The fix for an Equinox loss written for the whole model (both errors).
+_EQUINOX_FIX = ("params, static = eqx.partition(model, eqx.is_array) and "
+                "loss_fn = lambda p, b: loss(eqx.combine(p, static), b)")
+
+
 def _check_params(params):
   leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
   paths = []
@@ -38,7 +43,8 @@ def _check_params(params):
       raise TypeError(
           f"parameter {name!r} is a {type(leaf).__name__}, not an array; "
           "params must be a pytree of arrays (for Equinox, pass "
-          "eqx.filter(model, eqx.is_array) and close over the rest)")
+          "eqx.filter(model, eqx.is_array) and close over the rest: "
+          f"{_EQUINOX_FIX})")
     if not jnp.issubdtype(leaf.dtype, jnp.floating):
       raise TypeError(f"parameter {name!r} has dtype {leaf.dtype}; "
                       "K-FAC needs floating-point parameters")
@@ -462,9 +468,7 @@ def _raise_if_filtered(error: TypeError, params):
         f"params that hold None in {len(holes)} place(s), as a filtered "
         "model does (eqx.filter(model, eqx.is_array)). The curvature is "
         "traced from loss_fn(params, batch) with the params given: pass a "
-        "loss of the arrays alone, e.g. params, static = eqx.partition("
-        "model, eqx.is_array) and loss_fn = lambda p, b: loss("
-        "eqx.combine(p, static), b)") from error
+        f"loss of the arrays alone, e.g. {_EQUINOX_FIX}") from error
 
 
 def find_layers(loss_fn: Callable, params, batch, *, has_aux=False,
