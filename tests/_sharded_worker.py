@@ -347,6 +347,14 @@ def scenario_onepass(args):
       devices=W.tolist(e8.stats[kfl.estimators.DEVICE_ENTRY]),
       spec=str(jax.tree.leaves(st)[0].sharding.spec))
 
+  def run_recording(name, tx, est_fn):
+    """``run``, its warnings' messages kept under ``name``."""
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      out = run(tx, est_fn)
+    result.setdefault("warnings", {})[name] = [str(w.message) for w in caught]
+    return out
+
   def run(tx, est_fn):
     @jax.jit
     def step(params, state, batch):
@@ -363,20 +371,15 @@ def scenario_onepass(args):
                    ("replicated", make(axis_name="data", mesh=mesh,
                                        layout="replicated")),
                    ("no_mesh", make())):
-    with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter("always")
-      p, s, step = run(tx, on_mesh)
-    result.setdefault("warnings", {})[name] = [str(w.message) for w in caught]
+    p, s, step = run_recording(name, tx, on_mesh)
     caches = (_state_caches(s[0]) if name == "sharded" else W.caches(s[0]))
     result[name] = dict(params=W.tolist(p), caches=W.tolist(caches))
     if name == "sharded":
       b = jax.device_put(batches[0], data)
       result["hlo_mesh"] = _hlo_summary(step.lower(params, s, b).compile())
       tx0 = make(axis_name="data", mesh=mesh)
-      with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, s0, step0 = run(tx0, plain)  # The estimator unaware of the mesh.
-      result["warnings"]["plain"] = [str(w.message) for w in caught]
+      # The estimator unaware of the mesh.
+      _, s0, step0 = run_recording("plain", tx0, plain)
       result["hlo_plain"] = _hlo_summary(step0.lower(params, s0, b).compile())
   shapes = jax.eval_shape(plain, params, batches[0], key)
   stats, _ = kfl.estimators.split_run(shapes.stats)

@@ -240,23 +240,33 @@ def test_nonfinite_params_are_counted_and_health_finds_every_state():
     kfl.health(optax.sgd(0.1).init(params))
 
 
-def _run_sgd(lr, steps, **kfac_options):
-  """``steps`` of the recommended recipe on the test MLP, one batch per step."""
-  params = init_params()
+@functools.lru_cache(maxsize=None)
+def _sgd_runner(steps, **kfac_options):
+  """``run(params, lr) -> (params, state)``: ``steps`` of the recommended
+  recipe on the test MLP, one batch per step, jitted once for every lr
+  (``optax.sgd(lr, momentum=0.9)`` written as its trace and its scale by
+  ``-lr``, the lr traced)."""
   tx = optax.chain(kfl.kfac(loss_fn, BATCH, **kfac_options),
-                   optax.sgd(lr, momentum=0.9))
+                   optax.trace(decay=0.9))
 
   @jax.jit
-  def run(params):
+  def run(params, lr):
     def step(carry, seed):
       params, state = carry
       batch = make_batch(seed)
       grads = jax.grad(loss_fn)(params, batch)
       updates, state = tx.update(grads, state, params, batch=batch)
+      updates = jax.tree.map(lambda u: -lr * u, updates)
       return (optax.apply_updates(params, updates), state), None
     return jax.lax.scan(step, (params, tx.init(params)),
                         jnp.arange(steps))[0]
-  return params, run(params)
+  return run
+
+
+def _run_sgd(lr, steps, **kfac_options):
+  """``(initial params, (params, state))`` after ``_sgd_runner``'s steps."""
+  params = init_params()
+  return params, _sgd_runner(steps, **kfac_options)(params, lr)
 
 
 def test_health_reports_a_run_that_blows_up_its_parameters():
@@ -298,24 +308,11 @@ def test_the_learning_rate_is_a_knob():
   an inert lr), and over a sweep 0.001-1 every run either trains with
   ``kfl.health`` ok or health says it is not ok (0.1 and above blew up:
   no run that blows up is called ok)."""
-  tx = optax.chain(kfl.kfac(loss_fn, BATCH), optax.trace(decay=0.9))
-
-  @jax.jit
-  def run(params, lr):  # optax.sgd(lr, momentum=0.9), lr traced: one compile.
-    def step(carry, seed):
-      params, state = carry
-      batch = make_batch(seed)
-      grads = jax.grad(loss_fn)(params, batch)
-      updates, state = tx.update(grads, state, params, batch=batch)
-      updates = jax.tree.map(lambda u: -lr * u, updates)
-      return (optax.apply_updates(params, updates), state), None
-    return jax.lax.scan(step, (params, tx.init(params)), jnp.arange(100))[0]
-
   init, held_out = init_params(), make_batch(1000, 512)
   start = float(loss_fn(init, held_out))
   final, ok = {}, {}
   for lr in LR_SWEEP:
-    params, state = run(init, lr)
+    params, state = _run_sgd(lr, 100)[1]
     final[lr] = float(loss_fn(params, held_out))
     ok[lr] = kfl.health(state).ok
     trained = np.isfinite(final[lr]) and final[lr] < 0.5 * start
