@@ -69,6 +69,13 @@ CASES = {
                             dense_case("pi")[1]),
     "ekfac_conv": lambda: (B.eigen_corrected(conv_case("pi")[0]),
                            conv_case("pi")[1]),
+    # Rank one: weights sharing positions (R = 2) and two sampled targets.
+    "kronecker_vector": lambda: (
+        B.KroneckerVectorDense((3, 4), has_bias=True),
+        (rand(17, (5, 2, 3)), rand(18, (2, 5, 2, 4)))),
+    "kronecker_vector_einsum_transposed": lambda: (
+        B.KroneckerVectorDense((2, 3, 2), in_axes=(1,)),
+        (rand(19, (4, 3)), rand(20, (4, 2, 2)))),
 }
 
 

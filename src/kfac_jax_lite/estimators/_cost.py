@@ -33,6 +33,10 @@ other kinds, with ``g`` groups (a grouped convolution's blocks) counted as
   products squared) and ``a·b`` to the precondition. Eigenbasis blocks
   (EK-FAC, ``damping_mode="exact"``) refresh by ``eigh`` (``c = 10``) and
   precondition by rotating in and out: twice ``2·(a²·b + a·b²)``.
+* A Kronecker-vector block (``"kronecker_vector"``, Eva): statistics the
+  two weighted sums ``2·m·P·(a + b)`` (plus the sampled backward), no
+  refresh work beyond copying ``a + b`` numbers, precondition ``4·a·b``
+  (the bilinear form ``āᵀ V ḡ`` and the rank-one update).
 * Flat blocks over ``n`` parameters (``"diagonal"``, ``"full"``,
   ``"naive_diagonal"``, scale-and-shift): per-example gradients
   ``2·m·P·n`` (plus the sampled backward ``2·m·P·n`` through a dense or
@@ -141,6 +145,24 @@ def kronecker(factors, m, *, positions=1.0, stats_m=None, slices=1, c=1.0,
   return Flops(sgd=sgd, statistics=stats / cov_every,
                precondition=slices * precondition,
                refresh=slices * refresh / inverse_every)
+
+
+def kronecker_vector(factors, m, *, positions=1.0, stats_m=None, slices=1,
+                     c=1.0, inverse_every: float = 10, cov_every=1,
+                     own_forward=False, backward=True) -> Flops:
+  """The price of a Kronecker-vector block: ``factors`` ``((g, a), (g, b))``
+  (its two vectors); the other arguments as ``kronecker`` (``c`` unused:
+  nothing is inverted)."""
+  del c
+  stats_m = m if stats_m is None else stats_m
+  (g, a), (_, b) = (tuple(f) for f in factors)
+  rows = stats_m * positions
+  sgd, forward = 6 * m * positions * g * a * b, 2 * rows * g * a * b
+  stats = 2 * rows * g * (a + b) + (forward if backward else 0.0) + (
+      forward if own_forward else 0.0)
+  return Flops(sgd=sgd, statistics=stats / cov_every,
+               precondition=slices * 4 * g * a * b,
+               refresh=slices * g * (a + b) / inverse_every)
 
 
 # The SGD share per parameter and row of a flat block, by layer kind.

@@ -129,12 +129,15 @@ def block_flops(row, layer, block, *, m, stats_m, inverse_every, cov_every,
                 c, own_forward, backward, damping_mode):
   """The ``_cost.Flops`` of ``row``'s block (``block``: one slice of
   ``layer``'s): a Kronecker-family block (two factors or more) by
-  ``_cost.kronecker``, a flat one by ``_cost.flat``."""
+  ``_cost.kronecker``, a Kronecker-vector one by
+  ``_cost.kronecker_vector``, a flat one by ``_cost.flat``."""
   common: dict[str, Any] = dict(
       positions=row["positions"], stats_m=stats_m, slices=row["stack"] or 1,
       c=c, inverse_every=inverse_every, cov_every=cov_every,
       own_forward=own_forward, backward=backward)
   factors = row["factors"]
+  if isinstance(block, B.KroneckerVectorDense):
+    return _cost.kronecker_vector(factors, m, **common)
   if len(factors) == 1:
     out = layer.spec.output_size(0) if row["positions"] is not None else None
     return _cost.flat(factors[0][0], m, kind=row["kind"],

@@ -16,7 +16,8 @@ path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
 
 * ``"kronecker"`` (the default for dense/conv/embedding), ``"diagonal"``,
   ``"full"``, ``"naive_diagonal"`` (what each means per kind: the kind's
-  ``block_for``); ``"ekfac"`` (dense and conv: ``blocks.eigen_corrected``);
+  ``block_for``); ``"kronecker_vector"`` (dense only: Eva's rank-one
+  ``blocks.KroneckerVectorDense``); ``"ekfac"`` (dense and conv: ``blocks.eigen_corrected``);
   ``"series1"``, ``"series2"``, ``"kron_indep"`` (a dense layer applied at
   every step of one ``lax.scan``: ``blocks.series_block``, T the scan's
   length; ``ValueError`` for a layer not used that way);
@@ -44,8 +45,8 @@ from kfac_jax_lite import blocks as B
 from kfac_jax_lite.tagging import _kinds
 
 SERIES_CHOICES = ("series1", "series2", "kron_indep")
-CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal", "ekfac"
-           ) + SERIES_CHOICES
+CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal", "ekfac",
+           "kronecker_vector") + SERIES_CHOICES
 
 
 def _matches(pattern, paths):

@@ -127,12 +127,17 @@ class LayerSpec(abc.ABC):
   def block_for(self, choice, default):
     """The block for ``choice`` in ``"kronecker"`` (``default``),
     ``"diagonal"``, ``"full"``, ``"naive_diagonal"``; kinds with a
-    structured diagonal or full block override this."""
+    structured diagonal or full block, or blocks of their own (dense:
+    ``"kronecker_vector"``), override this; another choice is a
+    ``ValueError``."""
     if choice == "kronecker":
       return default
     if choice == "full":
       return B.Full(self.param_shapes)
-    return B.NaiveDiagonal(self.param_shapes)
+    if choice in ("diagonal", "naive_diagonal"):
+      return B.NaiveDiagonal(self.param_shapes)
+    raise ValueError(f"block choice {choice!r} is not available for a layer "
+                     f"of kind {self.kind!r}")
 
   def with_options(self, default, options):
     """``default`` with the keyword ``options`` of a ``blocks=`` dict."""

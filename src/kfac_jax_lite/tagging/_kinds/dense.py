@@ -226,6 +226,9 @@ class DenseSpec(LayerSpec):
     if choice == "diagonal":
       return B.DiagonalDense(self.kernel_shape, self.in_axes,
                              has_bias=self.has_bias)
+    if choice == "kronecker_vector":
+      return B.KroneckerVectorDense(self.kernel_shape, self.in_axes,
+                                    has_bias=self.has_bias)
     return super().block_for(choice, default)
 
   # ----------------------------------------------------------------- data

@@ -1,0 +1,208 @@
+"""Rank-one Kronecker-vector blocks of dense layers (Eva; Zhang et al. 2023).
+
+Where K-FAC keeps the second moments ``A`` and ``G`` of a layer's inputs
+and output cotangents, this block keeps their first moments, one vector
+each, and approximates the layer's curvature by one rank-one matrix:
+
+    ā = Σ_i w_i (1/R) Σ_r ā_ir               (ā_ir = [x_ir, 1] with a bias)
+    ḡ = (1/S) Σ_s Σ_i c_i Σ_r g_sir / √(Σ_i c_i)
+    F ≈ v vᵀ,   v = ā ⊗ ḡ                     (so F = (ā āᵀ) ⊗ (ḡ ḡᵀ))
+
+(``L = Σ_i c_i ℓ_i``, ``w_i = c_i / Σ_j c_j``, ``g_sir = ∂ℓ_i/∂y_ir`` for
+the S sampled targets, R the positions an example applies the layer at.)
+For one example at one position ``v vᵀ`` is that example's outer product
+of gradients, the empirical Fisher: the block's scale is K-FAC's. When
+every example has the same input, ``v = ∇_W L / √(Σc)``. The cotangents
+are averaged before the outer product, so the vectors are meant for the
+data targets (``estimation="empirical"`` / ``"empirical_shared"``): with
+sampled targets ``ḡ`` averages draws of zero mean and the block tends to
+damped gradient descent.
+
+Damping is exact, by Sherman–Morrison and its generalisation to any power
+(``P = v vᵀ / |v|²``, ``s = |v|² = |ā|² |ḡ|²``):
+
+    (F + λI)^p = λ^p (I − P) + (λ + s)^p P
+
+so ``(F + λI)⁻¹ ∇ = (∇ − (āᵀ ∇ ḡ) / (λ + s) · ā ḡᵀ) / λ`` in the kernel's
+``[a, b]`` matrix form: ``O(a·b)`` per product, ``O(a + b)`` memory, no
+factorisation. The state holds the two vectors as diagonal-shaped
+``FactorState``s (their zero-debiased EMAs); a refresh copies them into
+the caches (``FactorCache.matpower``, ``[groups, n]``) and the cached
+products read them from there, so that a sharded refresh's gathered
+caches are all a device needs. The damping and power are applied at
+product time. The square-root factor of ``multiply_cholesky`` is the
+symmetric root ``(F + λI)^{1/2}`` (``transpose`` changes nothing).
+
+Chosen with ``kfl.kfac(..., blocks={"dense": "kronecker_vector"})``.
+Measured on the MNIST autoencoder and the char LM of ``benchmarks/``
+(``docs/results.md``): the cheapest curvature step (1.05-1.2x Adam's),
+but slower to Adam's loss than Adam and than K-FAC's own blocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+from jax.scipy.linalg import block_diag
+
+from kfac_jax_lite import factor as fac
+from kfac_jax_lite.blocks import _kron
+from kfac_jax_lite.blocks import _layout
+from kfac_jax_lite.blocks import base
+from kfac_jax_lite.blocks import dense
+from kfac_jax_lite.factor import float_dtype
+
+
+def vector_stats(a, g, c, w):
+  """``KroneckerState(a=ā [1, a], g=ḡ [1, b])`` from ``dense_data``'s
+  ``a [N, R, a]``, ``g [S, N, R, b]``, ``c [N]``, ``w [N]``."""
+  a_bar = jnp.einsum("n,nri->i", w, a) / a.shape[1]
+  total = jnp.sum(c)
+  root = jnp.sqrt(jnp.where(total > 0, total, 1))
+  g_bar = jnp.einsum("n,snrj->j", c, g) / (g.shape[0] * root)
+  return _kron.KroneckerState(a=a_bar[None], g=g_bar[None])
+
+
+def _power_scale(s, lam, exp):
+  """``((λ + s)^p − λ^p) / s`` per group (0 where ``s = 0``), as
+  ``λ^p · expm1(p · log1p(s/λ)) / s``: no cancellation when ``s ≪ λ``."""
+  safe = jnp.where(s > 0, s, 1)
+  out = lam ** exp * jnp.expm1(exp * jnp.log1p(safe / lam)) / safe
+  return jnp.where(s > 0, out, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class KroneckerVectorDense(base.Block):
+  """Rank-one Kronecker-vector block of a dense layer; see the module
+  docstring.
+
+  ``kernel_shape``, ``in_axes``, ``has_bias``: the layer (as
+  ``KroneckerDense``). ``decay``: the EMA decay of the two vectors (Eva's
+  code weighs the newest vectors 0.95: ``decay=0.05``); None uses the one
+  the optimizer passes (``kfl.kfac``'s ``cov_decay``).
+  """
+
+  kernel_shape: tuple
+  in_axes: tuple = (0,)
+  has_bias: bool = False
+  decay: float | None = None
+  symmetric_stats: ClassVar[bool] = False  # Vectors, not covariances.
+
+  def __post_init__(self):
+    object.__setattr__(self, "kernel_shape", tuple(self.kernel_shape))
+    object.__setattr__(self, "in_axes", tuple(self.in_axes))
+    if self.decay is not None and not 0 <= self.decay < 1:
+      raise ValueError(f"{type(self).__name__}: decay must be in [0, 1) or "
+                       f"None, got {self.decay}")
+    self.layout  # Validates the axes.
+
+  @classmethod
+  def like(cls, block, **options):
+    """The Kronecker-vector block of the layer of a ``KroneckerDense``
+    ``block`` (``options``: ``decay``)."""
+    return cls(block.kernel_shape, block.in_axes, block.has_bias, **options)
+
+  @property
+  def layout(self):
+    return _layout.DenseLayout(self.kernel_shape, self.in_axes, self.has_bias)
+
+  @property
+  def param_shapes(self):
+    return self.layout.param_shapes
+
+  @property
+  def factor_shapes(self):
+    """The two vectors ``ā`` and ``ḡ`` (leading axis: groups)."""
+    lay = self.layout
+    return (lay.groups, lay.a), (lay.groups, lay.b)
+
+  def compute_stats(self, inputs, cotangents, weights=None):
+    """``ā [1, a]`` and ``ḡ [1, b]`` from the arguments of
+    ``KroneckerDense.compute_stats``."""
+    return vector_stats(*dense.dense_data(self.layout, inputs, cotangents,
+                                          weights, repr(self)))
+
+  def init(self, dtype=jnp.float32) -> _kron.KroneckerState:
+    lay = self.layout
+    vec = lambda n: fac.init_factor(n, diagonal=True, batch_shape=(lay.groups,),
+                                    dtype=dtype, cache="power")
+    return _kron.KroneckerState(a=vec(lay.a), g=vec(lay.b))
+
+  def update(self, state, stats, decay, weight=1.0):
+    decay = decay if self.decay is None else self.decay
+    ok = fac.all_finite(stats)
+    return _kron.KroneckerState(
+        a=fac.update_cov_if(state.a, stats.a, decay, weight, ok),
+        g=fac.update_cov_if(state.g, stats.g, decay, weight, ok))
+
+  def refresh(self, state, damping, exp=-1.0, step=0, method="auto"):
+    """The current vectors into the caches (nothing to factorise:
+    ``damping``, ``exp`` and ``method`` are applied, or unused, at product
+    time); non-finite vectors keep the last cache and count as failed."""
+    del damping, exp, method
+    values = (fac.factor_value(state.a), fac.factor_value(state.g))
+    ok = fac.all_finite(values)
+
+    def snap(f, value):
+      old = f.cache
+      return f._replace(cache=old._replace(
+          matpower=jnp.where(ok, value, old.matpower),
+          step=jnp.where(ok, jnp.asarray(step, jnp.int32), old.step),
+          num_failed=old.num_failed + jnp.where(ok, 0, 1).astype(jnp.int32)))
+
+    return _kron.KroneckerState(snap(state.a, values[0]),
+                                snap(state.g, values[1]))
+
+  # ---------------------------------------------------------------- products
+  def _vectors(self, state, use_cache):
+    if use_cache:
+      return state.a.cache.matpower, state.g.cache.matpower
+    return fac.factor_value(state.a), fac.factor_value(state.g)
+
+  def _apply(self, state, v, fn, use_cache=False):
+    """``fn(ā [g, a], ḡ [g, b], V [g, a, b])`` on the parameters ``v``."""
+    _layout.check_params(self, v, self.param_shapes)
+    dtypes = [jnp.asarray(x).dtype for x in v]
+    m = self.layout.to_mat(tuple(v))
+    m = m.astype(float_dtype(m))
+    a, g = (x.astype(m.dtype) for x in self._vectors(state, use_cache))
+    out = fn(a, g, m)
+    return tuple(x.astype(d) for x, d in zip(self.layout.from_mat(out), dtypes))
+
+  def multiply(self, state, v):
+    """``F v = (vᵀ x) v``: ``(āᵀ V ḡ) ā ḡᵀ`` per group."""
+    def fn(a, g, m):
+      proj = jnp.einsum("ga,gab,gb->g", a, m, g)
+      return proj[:, None, None] * a[:, :, None] * g[:, None, :]
+    return self._apply(state, v, fn)
+
+  def multiply_matpower(self, state, v, damping, exp, use_cache=False):
+    """``(F + λI)^p v = λ^p V + ((λ + s)^p − λ^p)/s · (āᵀ V ḡ) ā ḡᵀ``."""
+    def fn(a, g, m):
+      lam = jnp.asarray(damping, m.dtype)
+      s = jnp.sum(a * a, -1) * jnp.sum(g * g, -1)
+      proj = jnp.einsum("ga,gab,gb->g", a, m, g)
+      coef = _power_scale(s, lam, exp) * proj
+      return lam ** exp * m + coef[:, None, None] * a[:, :, None] * g[:, None, :]
+    return self._apply(state, v, fn, use_cache)
+
+  def multiply_inverse(self, state, v, damping, use_cache=False):
+    return self.multiply_matpower(state, v, damping, -1.0, use_cache)
+
+  def multiply_cholesky(self, state, v, damping, transpose=False):
+    """``L v`` with the symmetric root ``L = (F + λI)^{1/2}`` (= ``Lᵀ``)."""
+    del transpose
+    return self.multiply_matpower(state, v, damping, 0.5)
+
+  def multiply_cholesky_inverse(self, state, v, damping, transpose=False):
+    """``L⁻¹ v = (F + λI)^{-1/2} v`` (= ``L⁻ᵀ v``)."""
+    del transpose
+    return self.multiply_matpower(state, v, damping, -0.5)
+
+  def to_dense(self, state):
+    a, g = self._vectors(state, False)
+    kron = (a[:, :, None] * g[:, None, :]).reshape(a.shape[0], -1)
+    canon = block_diag(*[jnp.outer(k, k) for k in kron])
+    idx = self.layout.to_mat(_layout.param_index(self.param_shapes)).ravel()
+    return jnp.zeros_like(canon).at[idx[:, None], idx[None, :]].set(canon)
