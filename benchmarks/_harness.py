@@ -102,8 +102,21 @@ AMORTISED = {
     "shared_cov2": {"estimation": "empirical_shared", "cov_every": 2},
     "shared_inv20": {"estimation": "empirical_shared", "inverse_every": 20},
     "shared_frac4": {"estimation": "empirical_shared", "stats_fraction": 0.25},
+    # Issue 36's lever 3: Eva's rank-one Kronecker vectors for the dense
+    # layers (the others keep their Kronecker blocks), at Eva's damping
+    # 0.03, the vectors refreshed every step (inverse_every=1: a copy of
+    # a + b numbers for them) or every 10th.
+    "eva": {"estimation": "empirical_shared", "damping": 0.03,
+            "blocks": {"dense": "kronecker_vector"}, "inverse_every": 1},
+    "eva_inv10": {"estimation": "empirical_shared", "damping": 0.03,
+                  "blocks": {"dense": "kronecker_vector"}},
+    # Eva's own running average: the newest vectors weigh 0.95 (every
+    # block's statistics here, the non-dense ones too).
+    "eva_fresh": {"estimation": "empirical_shared", "damping": 0.03,
+                  "blocks": {"dense": "kronecker_vector"}, "cov_decay": 0.05,
+                  "inverse_every": 1},
 }
-_EST_KEYS = ("estimation", "stats_fraction")
+_EST_KEYS = ("estimation", "stats_fraction", "blocks")
 
 
 def amortised_family(loss_fn, params, example, lr, style, seed, configs=None,
