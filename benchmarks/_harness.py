@@ -86,6 +86,7 @@ def optax_candidate(family, settings, style, make_tx, loss_fn, params,
 # horizon stays 20 statistics steps), on a share of the batch, a longer
 # inverse period, the empirical statistics of the gradient's own backward
 # pass, and two combinations.
+EVA_BLOCKS = {"dense": "kronecker_vector", "conv": "kronecker_vector"}
 AMORTISED = {
     "defaults": {},
     "cov2": {"cov_every": 2},
@@ -102,18 +103,21 @@ AMORTISED = {
     "shared_cov2": {"estimation": "empirical_shared", "cov_every": 2},
     "shared_inv20": {"estimation": "empirical_shared", "inverse_every": 20},
     "shared_frac4": {"estimation": "empirical_shared", "stats_fraction": 0.25},
+    # Issue 36: a tighter KL clip for the char LM's winner.
+    "shared_nc0.3": {"estimation": "empirical_shared", "norm_constraint": 0.3},
+    "shared_nc0.1": {"estimation": "empirical_shared", "norm_constraint": 0.1},
     # Issue 36's lever 3: Eva's rank-one Kronecker vectors for the dense
-    # layers (the others keep their Kronecker blocks), at Eva's damping
+    # and conv layers (the others keep their blocks), at Eva's damping
     # 0.03, the vectors refreshed every step (inverse_every=1: a copy of
     # a + b numbers for them) or every 10th.
     "eva": {"estimation": "empirical_shared", "damping": 0.03,
-            "blocks": {"dense": "kronecker_vector"}, "inverse_every": 1},
+            "blocks": EVA_BLOCKS, "inverse_every": 1},
     "eva_inv10": {"estimation": "empirical_shared", "damping": 0.03,
-                  "blocks": {"dense": "kronecker_vector"}},
+                  "blocks": EVA_BLOCKS},
     # Eva's own running average: the newest vectors weigh 0.95 (every
     # block's statistics here, the non-dense ones too).
     "eva_fresh": {"estimation": "empirical_shared", "damping": 0.03,
-                  "blocks": {"dense": "kronecker_vector"}, "cov_decay": 0.05,
+                  "blocks": EVA_BLOCKS, "cov_decay": 0.05,
                   "inverse_every": 1},
 }
 _EST_KEYS = ("estimation", "stats_fraction", "blocks")

@@ -73,6 +73,12 @@ CASES = {
     "kronecker_vector": lambda: (
         B.KroneckerVectorDense((3, 4), has_bias=True),
         (rand(17, (5, 2, 3)), rand(18, (2, 5, 2, 4)))),
+    "kronecker_vector_conv": lambda: (
+        B.KroneckerVectorConv((3, 3, 2, 4), window_strides=(2, 2),
+                              padding=((1, 1), (1, 1)),
+                              dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                              feature_group_count=2, has_bias=True),
+        (rand(21, (3, 4, 4, 4)), rand(22, (3, 2, 2, 4)))),
     "kronecker_vector_einsum_transposed": lambda: (
         B.KroneckerVectorDense((2, 3, 2), in_axes=(1,)),
         (rand(19, (4, 3)), rand(20, (4, 2, 2)))),

@@ -140,16 +140,31 @@ def test_update_against_the_dense_rank_one_matrix(x64):
                                  atol=tol * np.abs(want).max(), err_msg=name)
 
 
-def test_only_dense_layers_take_kronecker_vectors():
-  def conv_loss(params, batch):
-    out = jax.lax.conv_general_dilated(batch["x"], params["k"], (1, 1), "SAME",
-                                       dimension_numbers=("NHWC", "HWIO",
-                                                          "NHWC"))
+def test_a_conv_at_one_location_is_the_dense_block():
+  """KFC's convention: a convolution whose output is one location (its
+  kernel covers the input, VALID) has the dense layer's statistics on the
+  flattened input; with two examples, two sampled targets, weights."""
+  x = np.random.default_rng(0).normal(size=(2, 3, 3, 2))
+  g = np.random.default_rng(1).normal(size=(2, 2, 1, 1, 4))
+  c = np.array([0.3, 0.9])
+  conv = B.KroneckerVectorConv((3, 3, 2, 4), dimension_numbers=(
+      "NHWC", "HWIO", "NHWC"), has_bias=True)
+  dense = B.KroneckerVectorDense((18, 4), has_bias=True)
+  got = conv.compute_stats(x, g, weights=c)
+  want = dense.compute_stats(x.reshape(2, 18), g.reshape(2, 2, 4), weights=c)
+  np.testing.assert_allclose(got.a, want.a, rtol=1e-6)
+  np.testing.assert_allclose(got.g, want.g, rtol=1e-6)
+
+
+def test_embeddings_take_no_kronecker_vectors():
+  def loss_fn(params, batch):
+    out = params["table"][batch["ids"]]
     return kfl.squared_error(out, batch["y"]).mean()
-  params = {"k": jnp.ones((3, 3, 2, 4))}
-  batch = {"x": jnp.ones((2, 5, 5, 2)), "y": jnp.zeros((2, 5, 5, 4))}
-  with pytest.raises(ValueError, match=r"'kronecker_vector'.*kind 'conv'"):
-    kfl.kfac(conv_loss, batch, blocks={"conv": "kronecker_vector"}).init(params)
+  params = {"table": jnp.ones((5, 3))}
+  batch = {"ids": jnp.array([0, 2, 4]), "y": jnp.zeros((3, 3))}
+  with pytest.raises(ValueError, match=r"'kronecker_vector'.*kind 'embedding'"):
+    kfl.kfac(loss_fn, batch, blocks={"embedding": "kronecker_vector"}
+             ).init(params)
 
 
 def test_describe_prices_the_vectors_by_hand():

@@ -18,7 +18,8 @@ from kfac_jax_lite.blocks.ekfac import (
     EigenCorrected, EkfacConv, EkfacDense, EkfacState, eigen_corrected)
 from kfac_jax_lite.blocks.embedding import KroneckerEmbedding
 from kfac_jax_lite.blocks.full import Full, NaiveDiagonal
-from kfac_jax_lite.blocks.kronecker_vector import KroneckerVectorDense
+from kfac_jax_lite.blocks.kronecker_vector import (
+    KroneckerVectorBlock, KroneckerVectorConv, KroneckerVectorDense)
 from kfac_jax_lite.blocks.scale_shift import ScaleAndShift
 from kfac_jax_lite.blocks.series import SeriesDense, SeriesState, series_block
 from kfac_jax_lite.blocks.stacked import Stacked
@@ -27,7 +28,8 @@ __all__ = [
     "ACTIVATIONS", "Block", "DiagonalConv", "DiagonalDense", "EigenCorrected",
     "EkfacConv", "EkfacDense", "EkfacState", "FlatBlock",
     "Full", "GRADIENTS", "KroneckerBlock", "KroneckerConv", "KroneckerDense",
-    "KroneckerEmbedding", "KroneckerState", "KroneckerVectorDense", "LayerData", "NaiveDiagonal",
+    "KroneckerEmbedding", "KroneckerState", "KroneckerVectorBlock",
+    "KroneckerVectorConv", "KroneckerVectorDense", "LayerData", "NaiveDiagonal",
     "ScaleAndShift", "SeriesDense", "SeriesState", "Stacked", "check_block",
     "eigen_corrected", "series_block", "state_bytes",
 ]

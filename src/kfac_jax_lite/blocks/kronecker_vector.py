@@ -1,4 +1,4 @@
-"""Rank-one Kronecker-vector blocks of dense layers (Eva; Zhang et al. 2023).
+"""Rank-one Kronecker-vector blocks of dense and conv layers (Eva; Zhang et al. 2023).
 
 Where K-FAC keeps the second moments ``A`` and ``G`` of a layer's inputs
 and output cotangents, this block keeps their first moments, one vector
@@ -10,7 +10,9 @@ each, and approximates the layer's curvature by one rank-one matrix:
 
 (``L = Σ_i c_i ℓ_i``, ``w_i = c_i / Σ_j c_j``, ``g_sir = ∂ℓ_i/∂y_ir`` for
 the S sampled targets, R the positions an example applies the layer at.)
-For one example at one position ``v vᵀ`` is that example's outer product
+A convolution is a dense layer on its patches shared over its output
+locations (R = the locations, one such block per feature group), as in
+KFC. For one example at one position ``v vᵀ`` is that example's outer product
 of gradients, the empirical Fisher: the block's scale is K-FAC's. When
 every example has the same input, ``v = ∇_W L / √(Σc)``. The cotangents
 are averaged before the outer product, so the vectors are meant for the
@@ -33,7 +35,8 @@ caches are all a device needs. The damping and power are applied at
 product time. The square-root factor of ``multiply_cholesky`` is the
 symmetric root ``(F + λI)^{1/2}`` (``transpose`` changes nothing).
 
-Chosen with ``kfl.kfac(..., blocks={"dense": "kronecker_vector"})``.
+Chosen with ``kfl.kfac(..., blocks={"dense": "kronecker_vector",
+"conv": "kronecker_vector"})``.
 Measured on the MNIST autoencoder and the char LM of ``benchmarks/``
 (``docs/results.md``): the cheapest curvature step (1.05-1.2x Adam's),
 but slower to Adam's loss than Adam and than K-FAC's own blocks.
@@ -50,18 +53,19 @@ from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _kron
 from kfac_jax_lite.blocks import _layout
 from kfac_jax_lite.blocks import base
+from kfac_jax_lite.blocks import conv
 from kfac_jax_lite.blocks import dense
 from kfac_jax_lite.factor import float_dtype
 
 
 def vector_stats(a, g, c, w):
-  """``KroneckerState(a=ā [1, a], g=ḡ [1, b])`` from ``dense_data``'s
-  ``a [N, R, a]``, ``g [S, N, R, b]``, ``c [N]``, ``w [N]``."""
-  a_bar = jnp.einsum("n,nri->i", w, a) / a.shape[1]
+  """``KroneckerState(a=ā [k, a], g=ḡ [k, b])`` (k groups) from
+  ``a [N, R, k, a]``, ``g [S, N, R, k, b]``, ``c [N]``, ``w [N]``."""
+  a_bar = jnp.einsum("n,nrki->ki", w, a) / a.shape[1]
   total = jnp.sum(c)
   root = jnp.sqrt(jnp.where(total > 0, total, 1))
-  g_bar = jnp.einsum("n,snrj->j", c, g) / (g.shape[0] * root)
-  return _kron.KroneckerState(a=a_bar[None], g=g_bar[None])
+  g_bar = jnp.einsum("n,snrkj->kj", c, g) / (g.shape[0] * root)
+  return _kron.KroneckerState(a=a_bar, g=g_bar)
 
 
 def _power_scale(s, lam, exp):
@@ -72,40 +76,19 @@ def _power_scale(s, lam, exp):
   return jnp.where(s > 0, out, 0)
 
 
-@dataclasses.dataclass(frozen=True)
-class KroneckerVectorDense(base.Block):
-  """Rank-one Kronecker-vector block of a dense layer; see the module
-  docstring.
+class KroneckerVectorBlock(base.Block):
+  """What the Kronecker-vector blocks share: the state, the refresh and
+  the products, over the layout's ``[groups, a, b]`` view. Subclasses give
+  ``layout``, ``decay`` and ``compute_stats``."""
 
-  ``kernel_shape``, ``in_axes``, ``has_bias``: the layer (as
-  ``KroneckerDense``). ``decay``: the EMA decay of the two vectors (Eva's
-  code weighs the newest vectors 0.95: ``decay=0.05``); None uses the one
-  the optimizer passes (``kfl.kfac``'s ``cov_decay``).
-  """
-
-  kernel_shape: tuple
-  in_axes: tuple = (0,)
-  has_bias: bool = False
-  decay: float | None = None
   symmetric_stats: ClassVar[bool] = False  # Vectors, not covariances.
+  layout: _layout.Layout  # Provided by each subclass (a property).
+  decay: float | None
 
-  def __post_init__(self):
-    object.__setattr__(self, "kernel_shape", tuple(self.kernel_shape))
-    object.__setattr__(self, "in_axes", tuple(self.in_axes))
+  def _check_decay(self):
     if self.decay is not None and not 0 <= self.decay < 1:
       raise ValueError(f"{type(self).__name__}: decay must be in [0, 1) or "
                        f"None, got {self.decay}")
-    self.layout  # Validates the axes.
-
-  @classmethod
-  def like(cls, block, **options):
-    """The Kronecker-vector block of the layer of a ``KroneckerDense``
-    ``block`` (``options``: ``decay``)."""
-    return cls(block.kernel_shape, block.in_axes, block.has_bias, **options)
-
-  @property
-  def layout(self):
-    return _layout.DenseLayout(self.kernel_shape, self.in_axes, self.has_bias)
 
   @property
   def param_shapes(self):
@@ -116,12 +99,6 @@ class KroneckerVectorDense(base.Block):
     """The two vectors ``ā`` and ``ḡ`` (leading axis: groups)."""
     lay = self.layout
     return (lay.groups, lay.a), (lay.groups, lay.b)
-
-  def compute_stats(self, inputs, cotangents, weights=None):
-    """``ā [1, a]`` and ``ḡ [1, b]`` from the arguments of
-    ``KroneckerDense.compute_stats``."""
-    return vector_stats(*dense.dense_data(self.layout, inputs, cotangents,
-                                          weights, repr(self)))
 
   def init(self, dtype=jnp.float32) -> _kron.KroneckerState:
     lay = self.layout
@@ -206,3 +183,62 @@ class KroneckerVectorDense(base.Block):
     canon = block_diag(*[jnp.outer(k, k) for k in kron])
     idx = self.layout.to_mat(_layout.param_index(self.param_shapes)).ravel()
     return jnp.zeros_like(canon).at[idx[:, None], idx[None, :]].set(canon)
+
+
+@dataclasses.dataclass(frozen=True)
+class KroneckerVectorDense(KroneckerVectorBlock):
+  """Rank-one Kronecker-vector block of a dense layer; see the module
+  docstring.
+
+  ``kernel_shape``, ``in_axes``, ``has_bias``: the layer (as
+  ``KroneckerDense``). ``decay``: the EMA decay of the two vectors (Eva's
+  code weighs the newest vectors 0.95: ``decay=0.05``); None uses the one
+  the optimizer passes (``kfl.kfac``'s ``cov_decay``).
+  """
+
+  kernel_shape: tuple
+  in_axes: tuple = (0,)
+  has_bias: bool = False
+  decay: float | None = None
+
+  def __post_init__(self):
+    object.__setattr__(self, "kernel_shape", tuple(self.kernel_shape))
+    object.__setattr__(self, "in_axes", tuple(self.in_axes))
+    self._check_decay()
+    self.layout  # Validates the axes.
+
+  @classmethod
+  def like(cls, block, **options):
+    """The Kronecker-vector block of the layer of a ``KroneckerDense``
+    ``block`` (``options``: ``decay``)."""
+    return cls(block.kernel_shape, block.in_axes, block.has_bias, **options)
+
+  @property
+  def layout(self):
+    return _layout.DenseLayout(self.kernel_shape, self.in_axes, self.has_bias)
+
+  def compute_stats(self, inputs, cotangents, weights=None):
+    """``ā [1, a]`` and ``ḡ [1, b]`` from the arguments of
+    ``KroneckerDense.compute_stats``."""
+    a, g, c, w = dense.dense_data(self.layout, inputs, cotangents, weights,
+                                  repr(self))
+    return vector_stats(a[:, :, None], g[:, :, :, None], c, w)
+
+
+@dataclasses.dataclass(frozen=True)
+class KroneckerVectorConv(conv.ConvConfig, KroneckerVectorBlock):
+  """Rank-one Kronecker-vector block of a convolution (arguments as
+  ``KroneckerConv``; ``decay`` as ``KroneckerVectorDense``): per feature
+  group, ``ā`` the mean patch over examples and locations, ``ḡ`` the
+  cotangents summed over locations."""
+
+  decay: float | None = None
+
+  def __post_init__(self):
+    self._setup()
+    self._check_decay()
+
+  def compute_stats(self, inputs, cotangents, weights=None):
+    """``ā [groups, a]`` and ``ḡ [groups, b]`` from the arguments of
+    ``KroneckerConv.compute_stats``."""
+    return vector_stats(*conv.conv_data(self, inputs, cotangents, weights))

@@ -136,7 +136,7 @@ def block_flops(row, layer, block, *, m, stats_m, inverse_every, cov_every,
       c=c, inverse_every=inverse_every, cov_every=cov_every,
       own_forward=own_forward, backward=backward)
   factors = row["factors"]
-  if isinstance(block, B.KroneckerVectorDense):
+  if isinstance(block, B.KroneckerVectorBlock):
     return _cost.kronecker_vector(factors, m, **common)
   if len(factors) == 1:
     out = layer.spec.output_size(0) if row["positions"] is not None else None

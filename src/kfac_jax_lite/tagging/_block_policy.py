@@ -16,8 +16,8 @@ path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
 
 * ``"kronecker"`` (the default for dense/conv/embedding), ``"diagonal"``,
   ``"full"``, ``"naive_diagonal"`` (what each means per kind: the kind's
-  ``block_for``); ``"kronecker_vector"`` (dense only: Eva's rank-one
-  ``blocks.KroneckerVectorDense``); ``"ekfac"`` (dense and conv: ``blocks.eigen_corrected``);
+  ``block_for``); ``"kronecker_vector"`` (dense and conv: Eva's rank-one
+  ``blocks.KroneckerVectorDense`` / ``KroneckerVectorConv``); ``"ekfac"`` (dense and conv: ``blocks.eigen_corrected``);
   ``"series1"``, ``"series2"``, ``"kron_indep"`` (a dense layer applied at
   every step of one ``lax.scan``: ``blocks.series_block``, T the scan's
   length; ``ValueError`` for a layer not used that way);

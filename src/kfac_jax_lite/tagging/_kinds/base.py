@@ -127,8 +127,8 @@ class LayerSpec(abc.ABC):
   def block_for(self, choice, default):
     """The block for ``choice`` in ``"kronecker"`` (``default``),
     ``"diagonal"``, ``"full"``, ``"naive_diagonal"``; kinds with a
-    structured diagonal or full block, or blocks of their own (dense:
-    ``"kronecker_vector"``), override this; another choice is a
+    structured diagonal or full block, or blocks of their own (dense and
+    conv: ``"kronecker_vector"``), override this; another choice is a
     ``ValueError``."""
     if choice == "kronecker":
       return default

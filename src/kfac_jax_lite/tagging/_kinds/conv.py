@@ -161,6 +161,8 @@ class ConvSpec(LayerSpec):
   def block_for(self, choice, default):
     if choice == "diagonal":
       return B.DiagonalConv(**self._window)
+    if choice == "kronecker_vector":
+      return B.KroneckerVectorConv(**self._window)
     return super().block_for(choice, default)
 
   def data(self, uses, captures, cotangents, stacked):
