@@ -106,6 +106,10 @@ AMORTISED = {
     # Issue 36: a tighter KL clip for the char LM's winner.
     "shared_nc0.3": {"estimation": "empirical_shared", "norm_constraint": 0.3},
     "shared_nc0.1": {"estimation": "empirical_shared", "norm_constraint": 0.1},
+    "shared_nc0.3_frac4": {"estimation": "empirical_shared",
+                           "norm_constraint": 0.3, "stats_fraction": 0.25},
+    "shared_nc0.3_cov2": {"estimation": "empirical_shared",
+                          "norm_constraint": 0.3, "cov_every": 2},
     # Issue 36's lever 3: Eva's rank-one Kronecker vectors for the dense
     # and conv layers (the others keep their blocks), at Eva's damping
     # 0.03, the vectors refreshed every step (inverse_every=1: a copy of
