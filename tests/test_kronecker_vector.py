@@ -162,7 +162,7 @@ def test_embeddings_take_no_kronecker_vectors():
     return kfl.squared_error(out, batch["y"]).mean()
   params = {"table": jnp.ones((5, 3))}
   batch = {"ids": jnp.array([0, 2, 4]), "y": jnp.zeros((3, 3))}
-  with pytest.raises(ValueError, match=r"'kronecker_vector'.*kind 'embedding'"):
+  with pytest.raises(ValueError, match=r"override for 'table'.*'kronecker_vector'.*kind 'embedding'"):
     kfl.kfac(loss_fn, batch, blocks={"embedding": "kronecker_vector"}
              ).init(params)
 

@@ -17,7 +17,8 @@ path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
 * ``"kronecker"`` (the default for dense/conv/embedding), ``"diagonal"``,
   ``"full"``, ``"naive_diagonal"`` (what each means per kind: the kind's
   ``block_for``); ``"kronecker_vector"`` (dense and conv: Eva's rank-one
-  ``blocks.KroneckerVectorDense`` / ``KroneckerVectorConv``); ``"ekfac"`` (dense and conv: ``blocks.eigen_corrected``);
+  ``blocks.KroneckerVectorDense`` / ``KroneckerVectorConv``); ``"ekfac"``
+  (dense and conv: ``blocks.eigen_corrected``);
   ``"series1"``, ``"series2"``, ``"kron_indep"`` (a dense layer applied at
   every step of one ``lax.scan``: ``blocks.series_block``, T the scan's
   length; ``ValueError`` for a layer not used that way);
@@ -128,7 +129,10 @@ def _block(layer, override, damping_mode, weight_sharing):
     elif override in SERIES_CHOICES:
       block = _series(layer, override, default, where)
     else:
-      block = spec.block_for(override, default)
+      try:
+        block = spec.block_for(override, default)
+      except ValueError as e:
+        raise ValueError(f"{where}: {e}") from e
   else:
     if callable(override) and not hasattr(override, "param_shapes"):
       block = override(dataclasses.replace(layer, block=default))
