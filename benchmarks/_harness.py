@@ -124,7 +124,6 @@ AMORTISED = {
                   "blocks": EVA_BLOCKS, "cov_decay": 0.05,
                   "inverse_every": 1},
 }
-_EST_KEYS = ("estimation", "stats_fraction", "blocks")
 
 
 def amortised_family(loss_fn, params, example, lr, style, seed, configs=None,
@@ -141,7 +140,7 @@ def amortised_family(loss_fn, params, example, lr, style, seed, configs=None,
 
   def make(settings):
     options = AMORTISED[settings["config"]]
-    est = {k: v for k, v in options.items() if k in _EST_KEYS}
+    est = {k: v for k, v in options.items() if k in ESTIMATOR_OPTIONS}
     step_style = cov_style(style, options.get("cov_every", 1))
 
     def make_tx():

@@ -304,6 +304,25 @@ def is_ready(state):
   return jnp.all(jnp.stack([f.cache.step >= 0 for f in _factors(state)]))
 
 
+def on_layout_matrix(block, v, fn):
+  """``fn(V)`` on the parameters ``v`` in ``block.layout``'s ``[groups, a,
+  b]`` matrix form (at least float32), returned as parameters in ``v``'s
+  dtypes; ``v`` is checked against ``block.param_shapes``."""
+  _layout.check_params(block, v, block.param_shapes)
+  dtypes = [jnp.asarray(x).dtype for x in v]
+  m = block.layout.to_mat(tuple(v))
+  out = fn(m.astype(float_dtype(m)))
+  return tuple(x.astype(d) for x, d in zip(block.layout.from_mat(out), dtypes))
+
+
+def from_canonical(block, canon):
+  """``to_dense``'s matrix from ``canon``, the block's matrix in the
+  layout's order (``[groups·a·b]²``, row-major per group): rows and columns
+  moved to the order of the concatenated, raveled parameters."""
+  idx = block.layout.to_mat(_layout.param_index(block.param_shapes)).ravel()
+  return jnp.zeros_like(canon).at[idx[:, None], idx[None, :]].set(canon)
+
+
 class KroneckerBlock(Block):
   """``F = c · blockdiag_g(A_g ⊗ G_g)`` over the layout's ``[g, a, b]`` view.
 
@@ -348,17 +367,8 @@ class KroneckerBlock(Block):
     return _kron.refresh(state, damping, exp, self.damping_mode,
                          self.renorm_coeff, step, method)
 
-  def _mat(self, v):
-    _layout.check_params(self, v, self.param_shapes)
-    return self.layout.to_mat(tuple(v))
-
-  def _out(self, m, dtypes):
-    return tuple(x.astype(d) for x, d in zip(self.layout.from_mat(m), dtypes))
-
   def _apply(self, v, fn):
-    dtypes = [jnp.asarray(x).dtype for x in v]
-    m = self._mat(v)
-    return self._out(fn(m.astype(float_dtype(m))), dtypes)
+    return on_layout_matrix(self, v, fn)
 
   def multiply(self, state, v):
     return self._apply(v, lambda m: _kron.multiply(state, m, self.renorm_coeff))
@@ -381,9 +391,7 @@ class KroneckerBlock(Block):
         inverse=True, transpose=transpose))
 
   def to_dense(self, state):
-    canon = _kron.to_dense(state, self.renorm_coeff)
-    idx = self.layout.to_mat(_layout.param_index(self.param_shapes)).ravel()
-    return jnp.zeros_like(canon).at[idx[:, None], idx[None, :]].set(canon)
+    return from_canonical(self, _kron.to_dense(state, self.renorm_coeff))
 
   def check_damping_mode(self):
     _kron.check_damping_mode(self.damping_mode, type(self).__name__)

@@ -65,7 +65,6 @@ from kfac_jax_lite.blocks import _layout
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import conv
 from kfac_jax_lite.blocks import dense
-from kfac_jax_lite.factor import float_dtype
 
 
 def vector_stats(a, g, c, w):
@@ -149,13 +148,10 @@ class KroneckerVectorBlock(base.Block):
 
   def _apply(self, state, v, fn, use_cache=False):
     """``fn(ā [g, a], ḡ [g, b], V [g, a, b])`` on the parameters ``v``."""
-    _layout.check_params(self, v, self.param_shapes)
-    dtypes = [jnp.asarray(x).dtype for x in v]
-    m = self.layout.to_mat(tuple(v))
-    m = m.astype(float_dtype(m))
-    a, g = (x.astype(m.dtype) for x in self._vectors(state, use_cache))
-    out = fn(a, g, m)
-    return tuple(x.astype(d) for x, d in zip(self.layout.from_mat(out), dtypes))
+    def on_matrix(m):
+      a, g = (x.astype(m.dtype) for x in self._vectors(state, use_cache))
+      return fn(a, g, m)
+    return base.on_layout_matrix(self, v, on_matrix)
 
   def multiply(self, state, v):
     """``F v = (vᵀ x) v``: ``(āᵀ V ḡ) ā ḡᵀ`` per group."""
@@ -190,9 +186,8 @@ class KroneckerVectorBlock(base.Block):
   def to_dense(self, state):
     a, g = self._vectors(state, False)
     kron = (a[:, :, None] * g[:, None, :]).reshape(a.shape[0], -1)
-    canon = block_diag(*[jnp.outer(k, k) for k in kron])
-    idx = self.layout.to_mat(_layout.param_index(self.param_shapes)).ravel()
-    return jnp.zeros_like(canon).at[idx[:, None], idx[None, :]].set(canon)
+    return base.from_canonical(
+        self, block_diag(*[jnp.outer(k, k) for k in kron]))
 
 
 @dataclasses.dataclass(frozen=True)
