@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Generic, NamedTuple, TypeVar
 
 import jax.numpy as jnp
-from jax.scipy.linalg import block_diag, solve_triangular
+from jax.scipy.linalg import block_diag
 
 from kfac_jax_lite import factor as fac
 
@@ -191,12 +191,12 @@ def cholesky(s: KroneckerState, v, damping, mode, renorm_coeff, *,
   if diag_a:
     out = v / la[..., :, None]
   else:
-    out = solve_triangular(la, v, lower=True, trans=1 if transpose else 0)
+    out = fac.solve_triangular(la, v, lower=True, trans=1 if transpose else 0)
   if diag_g:
     out = out / lg[..., None, :]
   else:
     # out @ L_G⁻ᵀ = (L_G⁻¹ outᵀ)ᵀ ; out @ L_G⁻¹ = (L_G⁻ᵀ outᵀ)ᵀ.
-    out = _t(solve_triangular(lg, _t(out), lower=True,
+    out = _t(fac.solve_triangular(lg, _t(out), lower=True,
                               trans=1 if transpose else 0))
   return out / scale
 

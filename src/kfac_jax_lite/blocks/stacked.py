@@ -6,7 +6,12 @@ diagonal over the slices, ``F = blockdiag_l(F_l)``, each ``F_l`` the inner
 block's curvature of slice ``l``. ``Stacked`` implements the block
 interface by ``jax.vmap``-ing the inner block over a leading axis of n of
 its state, its statistics, its parameters and its ``LayerData`` (the
-examples' ``weights`` are shared by all slices).
+examples' ``weights`` are shared by all slices). On CPU, the operations
+that call LAPACK's Cholesky and triangular solves (a refresh by
+``method="cholesky"``, products without the cache, the Cholesky
+products) loop over the slices with ``lax.map`` instead: a vmapped batch
+of those calls can hang jaxlib 0.10's CPU runtime (see
+``kfac_jax_lite.factor.sequential_on_cpu``).
 """
 from __future__ import annotations
 
@@ -17,8 +22,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
 from kfac_jax_lite.blocks import base
+
+
+def _over_slices(fn, *args, lapack=False):
+  """``fn`` applied to each slice of ``args`` (leading axis), stacked:
+  ``jax.vmap``, or a sequential ``lax.map`` on CPU where ``fn`` calls
+  LAPACK's Cholesky or triangular solves (``lapack``)."""
+  if lapack and fac.sequential_on_cpu():
+    return jax.lax.map(lambda xs: fn(*xs), args)
+  return jax.vmap(fn)(*args)
+
+
+def _cholesky_refresh(method) -> bool:
+  """Whether a refresh by ``method`` factors by Cholesky (a power other
+  than -1 uses ``eigh`` instead, and then only loops needlessly)."""
+  return fac.check_inverse_method(method) == "cholesky"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,27 +86,29 @@ class Stacked(base.Block):
         state, stats)
 
   def refresh(self, state, damping, exp=-1.0, step=0, method="auto"):
-    return jax.vmap(lambda st: self.block.refresh(st, damping, exp, step,
-                                                  method))(state)
+    return _over_slices(lambda st: self.block.refresh(st, damping, exp, step,
+                                                      method), state,
+                        lapack=_cholesky_refresh(method))
 
   def multiply(self, state, v):
     return jax.vmap(self.block.multiply)(state, tuple(v))
 
   def multiply_matpower(self, state, v, damping, exp, use_cache=False):
-    return jax.vmap(lambda st, x: self.block.multiply_matpower(
-        st, x, damping, exp, use_cache))(state, tuple(v))
+    return _over_slices(lambda st, x: self.block.multiply_matpower(
+        st, x, damping, exp, use_cache), state, tuple(v),
+                        lapack=not use_cache)
 
   def multiply_inverse(self, state, v, damping, use_cache=False):
-    return jax.vmap(lambda st, x: self.block.multiply_inverse(
-        st, x, damping, use_cache))(state, tuple(v))
+    return _over_slices(lambda st, x: self.block.multiply_inverse(
+        st, x, damping, use_cache), state, tuple(v), lapack=not use_cache)
 
   def multiply_cholesky(self, state, v, damping, transpose=False):
-    return jax.vmap(lambda st, x: self.block.multiply_cholesky(
-        st, x, damping, transpose))(state, tuple(v))
+    return _over_slices(lambda st, x: self.block.multiply_cholesky(
+        st, x, damping, transpose), state, tuple(v), lapack=True)
 
   def multiply_cholesky_inverse(self, state, v, damping, transpose=False):
-    return jax.vmap(lambda st, x: self.block.multiply_cholesky_inverse(
-        st, x, damping, transpose))(state, tuple(v))
+    return _over_slices(lambda st, x: self.block.multiply_cholesky_inverse(
+        st, x, damping, transpose), state, tuple(v), lapack=True)
 
   @property
   def one_slice(self):
@@ -108,8 +131,9 @@ class Stacked(base.Block):
   def refresh_caches(self, state, damping, exp=-1.0, step=0, method="auto"):
     """Each slice's ``refresh_caches`` (a slice without statistics keeps
     its caches)."""
-    return jax.vmap(lambda st: base.as_block(self.block).refresh_caches(
-        st, damping, exp, step, method))(state)
+    return _over_slices(lambda st: base.as_block(self.block).refresh_caches(
+        st, damping, exp, step, method), state,
+                        lapack=_cholesky_refresh(method))
 
   def precondition(self, state, vectors, damping, exp):
     """Each slice's ``precondition`` (a slice that is not ready passes its

@@ -2,8 +2,11 @@
 
 The math core (layer 0). Owns ``FactorState`` and the functions on it,
 the damped inverses built from matrix products (``_inverse``), the packing
-of many small leaves into few reductions (``_packing``) and the one
-"at least float32" dtype rule (``float_dtype``). May import: jax only;
+of many small leaves into few reductions (``_packing``), LAPACK's
+Cholesky and triangular solves one matrix at a time on CPU (``_lapack``,
+whose batched kernels can hang jaxlib 0.10's CPU runtime;
+``solve_triangular`` and ``sequential_on_cpu`` for the layers above) and
+the one "at least float32" dtype rule (``float_dtype``). May import: jax only;
 no other layer of the library.
 
 A factor is a running estimate of a symmetric positive semi-definite matrix
@@ -47,18 +50,20 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.scipy import linalg as jsl
 from jax.typing import ArrayLike
 
 from kfac_jax_lite.factor import _inverse
+from kfac_jax_lite.factor import _lapack
 from kfac_jax_lite.factor import _packing
 from kfac_jax_lite.factor._dtypes import float_dtype as float_dtype
 from kfac_jax_lite.factor._packing import pack as pack
+from kfac_jax_lite.factor._lapack import sequential_on_cpu as sequential_on_cpu
+from kfac_jax_lite.factor._lapack import solve_triangular as solve_triangular
 
 __all__ = [
     "AUTO_DEFAULT", "AUTO_METHODS", "CACHE_KINDS", "FactorCache",
     "FactorState", "INVERSES", "INVERSE_METHODS", "all_finite", "cache_kind",
-    "float_dtype", "pack",
+    "float_dtype", "pack", "sequential_on_cpu", "solve_triangular",
     "check_inverse_method", "damped_cholesky", "damped_matpower", "eigh",
     "factor_value", "init_factor", "is_diagonal", "multiply",
     "multiply_inverse", "multiply_matpower", "refresh_cache", "update_cov",
@@ -243,7 +248,7 @@ def _by_schur(c, damping, warm=None):
 def _by_cholesky(c, damping, warm=None):
   del warm
   m = _damped(c, damping)
-  inv = jsl.cho_solve((jnp.linalg.cholesky(m), True), _eye_like(m))
+  inv = _lapack.cho_solve(_lapack.cholesky(m), _eye_like(m))
   return inv, all_finite(inv)
 
 
@@ -316,7 +321,7 @@ def damped_cholesky(state: FactorState, damping) -> Array:
   c = factor_value(state)
   if is_diagonal(state):
     return jnp.sqrt(jnp.maximum(c, 0) + _damping_array(damping, c.dtype)[..., 0])
-  return jnp.linalg.cholesky(_damped(c, damping))
+  return _lapack.cholesky(_damped(c, damping))
 
 
 def damped_matpower(state: FactorState, damping: ArrayLike, exp: float, *,
@@ -430,5 +435,5 @@ def multiply_inverse(state: FactorState, x: Array, damping: ArrayLike, *,
     return multiply_matpower(state, x, damping, -1.0, use_cache=use_cache)
   chol = damped_cholesky(state, damping)
   vec = x.ndim == chol.ndim - 1
-  out = jsl.cho_solve((chol, True), x[..., None] if vec else x)
+  out = _lapack.cho_solve(chol, x[..., None] if vec else x)
   return out[..., 0] if vec else out
