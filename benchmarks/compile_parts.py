@@ -2,6 +2,7 @@
 
     python benchmarks/compile_parts.py             # the MNIST autoencoder, batch 1000
     python benchmarks/compile_parts.py --quick     # a small autoencoder
+    python benchmarks/compile_parts.py --model lm  # a scanned Flax transformer
 
 Lowers and compiles (``jax.jit(step).lower(...).compile()``, nothing run)
 the one-pass step of ``_models``' autoencoder (``--estimation``, default
@@ -16,6 +17,13 @@ identity matrices of the factors' sizes), one call per factor against one
 ``lax.map`` per padded size (the factors of a size stacked). Prints
 seconds of tracing and lowering, of XLA's compile, and the compiled
 program's text size; compile times vary from run to run by ~10%.
+
+``--model lm`` compiles the same four steps (SGD, Adam, the estimator
+with SGD, K-FAC + SGD) for a pre-norm decoder-only transformer written
+in Flax linen with its blocks under ``nn.scan`` (``--depth`` layers, width
+128, 4 heads, context 64, batch 32, 96 symbols; softmax cross-entropy):
+the scanned layers' curvature is one stacked block per layer kind, so its
+program does not grow with the depth.
 """
 from __future__ import annotations
 
@@ -44,14 +52,22 @@ def compile_time(fn, *args):
   return t1 - t0, t2 - t1, len(compiled.as_text())
 
 
-def steps(dims, batch_size, estimation):
-  """``[(name, fn, args)]``: the steps whose programs are compared."""
+def autoencoder_problem(dims, batch_size):
+  """``(loss_fn, params, batch)`` of ``_models``' autoencoder."""
   import jax
-  import optax
   loss_fn = M.make_autoencoder_loss()
   params = M.autoencoder_init(dims, jax.random.PRNGKey(0))
   batch = {"x": jax.random.uniform(jax.random.PRNGKey(1),
                                    (batch_size, dims[0]))}
+  return loss_fn, params, batch
+
+
+def steps(problem, estimation):
+  """``[(name, fn, args)]``: the steps whose programs are compared, for
+  ``problem = (loss_fn, params, batch)``."""
+  import jax
+  import optax
+  loss_fn, params, batch = problem
   key = jax.random.PRNGKey(2)
   est_fn = kfl.value_grad_and_stats(loss_fn, params, batch,
                                     estimation=estimation)
@@ -84,6 +100,49 @@ def steps(dims, batch_size, estimation):
           ("estimator + SGD", estimator_only,
            (params, sgd.init(params), batch, key)),
           ("K-FAC + SGD", *kfac_step())], kfac_step
+
+
+LM_SIZES = dict(width=128, heads=4, context=64, batch=32, vocab=96)
+
+
+def lm_problem(depth):
+  """``(loss_fn, params, batch)``: a Flax linen decoder-only transformer whose
+  ``depth`` blocks run under ``nn.scan`` (one set of stacked parameters)."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import optax
+  w, heads, t, b, v = (LM_SIZES[k] for k in ("width", "heads", "context", "batch",
+                                        "vocab"))
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      h = nn.LayerNorm()(x)
+      mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+      x = x + nn.MultiHeadDotProductAttention(num_heads=heads)(h, h, mask=mask)
+      h = nn.Dense(w)(nn.gelu(nn.Dense(4 * w)(nn.LayerNorm()(x))))
+      return x + h, None
+
+  class Transformer(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      x = nn.Embed(v, w)(ids) + self.param(
+          "pos", nn.initializers.normal(0.02), (t, w))
+      x, _ = nn.scan(Block, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=depth)()(x, None)
+      return nn.Dense(v)(nn.LayerNorm()(x))
+
+  model = Transformer()
+  ids = jax.random.randint(jax.random.PRNGKey(0), (b, t + 1), 0, v)
+  batch = {"x": ids[:, :-1], "y": ids[:, 1:]}
+  params = model.init(jax.random.PRNGKey(1), batch["x"])
+
+  def loss_fn(p, batch):
+    logits = model.apply(p, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["y"]).mean()
+  return loss_fn, params, batch
 
 
 def stage_rows(kfac_step):
@@ -148,6 +207,10 @@ def inversion_rows(dims):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--model", choices=("autoencoder", "lm"),
+                 default="autoencoder")
+  p.add_argument("--depth", type=int, default=6,
+                 help="--model lm: the scanned blocks (default 6)")
   p.add_argument("--quick", action="store_true", help="a small autoencoder")
   p.add_argument("--batch", type=int, default=None,
                  help="default 1000 (quick: 64)")
@@ -155,17 +218,25 @@ def main(argv=None):
                  choices=("fisher", "empirical_shared", "empirical", "exact"))
   args = p.parse_args(argv)
   import jax
-  dims = QUICK if args.quick else FULL
-  batch = args.batch or (64 if args.quick else 1000)
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; autoencoder "
-        f"{'-'.join(map(str, dims))}, batch {batch}, one-pass "
-        f"estimation={args.estimation}")
-  base, kfac_step = steps(dims, batch, args.estimation)
+  platform = f"jax {jax.__version__} on {jax.devices()[0].platform}"
+  if args.model == "lm":
+    problem = lm_problem(args.depth)
+    print(f"{platform}; Flax linen transformer, {args.depth} blocks under "
+          f"nn.scan, " + ", ".join(f"{k} {v}" for k, v in LM_SIZES.items())
+          + f", one-pass estimation={args.estimation}")
+  else:
+    dims = QUICK if args.quick else FULL
+    batch = args.batch or (64 if args.quick else 1000)
+    problem = autoencoder_problem(dims, batch)
+    print(f"{platform}; autoencoder {'-'.join(map(str, dims))}, batch "
+          f"{batch}, one-pass estimation={args.estimation}")
+  base, kfac_step = steps(problem, args.estimation)
   measured = lambda fn, fargs: lambda: compile_time(fn, *fargs)
-  rows = ([(name, measured(fn, fargs)) for name, fn, fargs in base]
-          + stage_rows(kfac_step)
-          + [(name, measured(fn, fargs))
-             for name, fn, fargs in inversion_rows(dims)])
+  rows = [(name, measured(fn, fargs)) for name, fn, fargs in base]
+  rows += stage_rows(kfac_step)
+  if args.model == "autoencoder":
+    rows += [(name, measured(fn, fargs))
+             for name, fn, fargs in inversion_rows(dims)]
   adam = None
   print(f"{'program':44s} {'trace+lower s':>13s} {'compile s':>10s} "
         f"{'x Adam':>7s} {'HLO kchars':>11s}")
