@@ -1,16 +1,17 @@
 """Cholesky factors and triangular solves, one matrix at a time on CPU.
 
 On CPU, jaxlib 0.10's kernels for a *batch* of Cholesky factorisations
-(LAPACK ``potrf``), triangular solves (``trsm``) and LU factorisations
-(``getrf``) split the batch over XLA's intra-op thread pool and wait for
-the parts on a thread of that same pool. When as many such calls run at
-once as the pool has threads (the refreshes of independent factors do),
-every thread waits for work that no thread is free to run, and the step
-never finishes: on a 2-core machine, three ``[6, 512, 512]`` Cholesky
-factorisations in one jitted function hang (jaxlib 0.10.2; 0.9.1 does not;
-``tests/test_lapack_batches.py``). A matrix without batch axes runs in the
-calling thread. So on CPU these functions hand LAPACK one matrix at a
-time: leading batch axes of size > 1 become a ``lax.map`` (a sequential
+(LAPACK ``potrf``) and triangular solves (``trsm``; ``jnp.linalg.inv``'s
+LU path too) split the batch over XLA's intra-op thread pool and wait for
+the parts on a thread of that same pool (``eigh``'s ``syevd`` did not hang
+in the same test). When as many such calls run at once as the pool has
+threads (the refreshes of independent factors do), every thread waits for
+work that no thread is free to run, and the step never finishes: on a
+2-core machine, four independent ``[6, 512, 512]`` Cholesky
+factorisations in one jitted function hang (jaxlib 0.10.2; 0.9.1 does
+not), eight unbatched ``[512, 512]`` ones do not. So on CPU these
+functions hand LAPACK one matrix at a time (``tests/test_lapack_batches.py``
+checks the compiled programs): leading batch axes of size > 1 become a ``lax.map`` (a sequential
 loop, differentiable like the batched call). Other backends get the
 batched call as it is.
 
@@ -28,8 +29,9 @@ import jax.scipy.linalg as jsl
 
 
 def sequential_on_cpu() -> bool:
-  """Whether batches of LAPACK calls should run one matrix at a time (the
-  default backend is the CPU)."""
+  """Whether batches of LAPACK calls run one matrix at a time: when JAX's
+  default backend (where a jitted step runs unless placed elsewhere) is the
+  CPU."""
   return jax.default_backend() == "cpu"
 
 
