@@ -456,7 +456,7 @@ class FlatBlock(Block):
       if self.diagonal:
         return x / chol if inverse else x * chol
       if inverse:
-        return jax.scipy.linalg.solve_triangular(
+        return fac.solve_triangular(
             chol, x, lower=True, trans=1 if transpose else 0)
       return (chol.T if transpose else chol) @ x
     return self._apply(v, fn)
