@@ -40,11 +40,11 @@ import time
 import numpy as np
 import pytest
 
+import _cpu_devices as cpu_devices
 from _helpers import assert_rounding_close
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_distributed_worker.py")
-SRC = os.path.join(os.path.dirname(HERE), "src")
 
 # float64 throughout (the worker enables x64). Averaging 8 per-device means
 # (pmean) instead of one mean over the batch reorders sums of ≤ N = 32 terms
@@ -58,15 +58,7 @@ MULTIHOST_TOL = dict(depth=20)  # 20 steps.
 
 
 def _env(devices):
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  env["XLA_FLAGS"] = " ".join(
-      flags + [f"--xla_force_host_platform_device_count={devices}"])
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = os.pathsep.join(
-      [SRC] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-  return env
+  return cpu_devices.env(devices)
 
 
 def _result(stdout):
@@ -92,9 +84,8 @@ def _command(scenario, devices, *extra):
 def run_worker(scenario, devices=8, timeout=150):
   """Runs one scenario in a fresh interpreter with ``devices`` CPU devices."""
   try:
-    proc = subprocess.run(_command(scenario, devices), env=_env(devices),
-                          capture_output=True, text=True, timeout=timeout,
-                          cwd=os.path.dirname(HERE))
+    proc = cpu_devices.run(_command(scenario, devices), _env(devices),
+                           timeout=timeout, cwd=os.path.dirname(HERE))
   except subprocess.TimeoutExpired as e:
     pytest.fail(f"worker {scenario!r} timed out after {timeout} s; stderr:\n"
                 f"{(e.stderr or b'')[-3000:]!r}")

@@ -27,7 +27,6 @@ bases are known in advance:
 """
 import json
 import os
-import subprocess
 import sys
 
 import flax.serialization
@@ -41,10 +40,10 @@ import kfac_jax_lite as kfl
 from kfac_jax_lite.optimizers import transform
 from kfac_jax_lite import blocks as B
 
+import _cpu_devices as cpu_devices
 from _helpers import count_primitives, x64_mode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(os.path.dirname(HERE), "src")
 B1, B2, EPS = 0.9, 0.999, 1e-8
 LR = 0.1
 
@@ -588,14 +587,11 @@ def _pmap_worker():
 
 
 def test_pmap_equals_one_device():
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  env.update(XLA_FLAGS=" ".join(flags + ["--xla_force_host_platform_device_count=8"]),
-             JAX_PLATFORMS="cpu", JAX_ENABLE_X64="1",
-             PYTHONPATH=os.pathsep.join([SRC, HERE, env.get("PYTHONPATH", "")]))
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "pmap"],
-                        env=env, capture_output=True, text=True, timeout=300)
+  env = cpu_devices.env(8)
+  env.update(JAX_ENABLE_X64="1",
+             PYTHONPATH=os.pathsep.join([HERE, env["PYTHONPATH"]]))
+  proc = cpu_devices.run([sys.executable, os.path.abspath(__file__), "pmap"],
+                         env, timeout=300)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   assert lines, proc.stderr[-3000:]
   result = json.loads(lines[-1][len("RESULT "):])

@@ -332,21 +332,15 @@ def _sharded_worker():
 def test_fit_on_sharded_batches_splits_across_devices():
   import json
   import os
-  import subprocess
   import sys
+
+  import _cpu_devices as cpu_devices
   here = os.path.dirname(os.path.abspath(__file__))
-  env = dict(os.environ)
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  env.update(XLA_FLAGS=" ".join(
-      flags + ["--xla_force_host_platform_device_count=4"]),
-             JAX_PLATFORMS="cpu", JAX_ENABLE_X64="1",
-             PYTHONPATH=os.pathsep.join([
-                 os.path.join(here, os.pardir, "src"), here,
-                 env.get("PYTHONPATH", "")]))
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__),
-                         "sharded"], env=env, capture_output=True, text=True,
-                        timeout=300)
+  env = cpu_devices.env(4)
+  env.update(JAX_ENABLE_X64="1",
+             PYTHONPATH=os.pathsep.join([here, env["PYTHONPATH"]]))
+  proc = cpu_devices.run([sys.executable, os.path.abspath(__file__),
+                          "sharded"], env, timeout=300)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   assert lines, proc.stderr[-3000:]
   r = json.loads(lines[-1][len("RESULT "):])
