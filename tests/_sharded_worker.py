@@ -8,9 +8,10 @@ devices), batch 32, ``inverse_every=2``, 20 steps.
 Every step is waited for (``block_until_ready``) before the next is
 dispatched, so that programs over different device sets (meshes of 1, 2,
 4 and 8 devices, pmap) are never in flight together: XLA:CPU runs the
-devices' collectives on one thread pool, and once (in a full parallel
-run of the suite on 2 cores) a rendezvous of 8 devices timed out after
-40 s with 7 arrived.
+devices' collectives on one thread pool of as many threads as devices
+(on 2 cores), and twice (in full parallel runs of the suite) a rendezvous
+of 8 devices timed out with 7 arrived; ``tests/_cpu_devices`` gives that
+pool slack.
 """
 from __future__ import annotations
 
