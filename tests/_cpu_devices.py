@@ -31,8 +31,8 @@ import os
 import subprocess
 import warnings
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                   "src")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(TESTS), "src")
 RENDEZVOUS_TIMEOUT = "threads to join the rendezvous"
 
 
@@ -42,8 +42,8 @@ class XlaRendezvousTimeout(UserWarning):
 
 def env(devices: int, base: dict | None = None) -> dict:
   """``base`` (default ``os.environ``) for an interpreter with ``devices``
-  CPU devices, JAX on the CPU, ``src/`` importable, and XLA's client pool
-  at least ``2·devices`` threads (``NPROC``)."""
+  CPU devices, JAX on the CPU, ``src/`` and ``tests/`` importable, and
+  XLA's client pool at least ``2·devices`` threads (``NPROC``)."""
   out = dict(os.environ if base is None else base)
   flags = [f for f in out.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
@@ -51,7 +51,8 @@ def env(devices: int, base: dict | None = None) -> dict:
       flags + [f"--xla_force_host_platform_device_count={devices}"])
   out["JAX_PLATFORMS"] = "cpu"
   out["PYTHONPATH"] = os.pathsep.join(
-      [SRC] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p])
+      [SRC, TESTS]
+      + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p])
   nproc = out.get("NPROC", "")
   if not (nproc.isdigit() and int(nproc) >= 2 * devices):
     out["NPROC"] = str(max(2 * devices, os.cpu_count() or 1))

@@ -21,19 +21,16 @@ import os
 import sys
 from typing import Any
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                   "src")
+import _cpu_devices as cpu_devices
 
 
 def _setup(devices: int):
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  flags.append(f"--xla_force_host_platform_device_count={devices}")
-  os.environ["XLA_FLAGS"] = " ".join(flags)
-  os.environ["JAX_PLATFORMS"] = "cpu"
+  """This interpreter as ``cpu_devices.env(devices)`` describes it (for a
+  worker started by hand), float64, ``src/`` importable; before JAX starts."""
+  os.environ.update(cpu_devices.env(devices))
   os.environ["JAX_ENABLE_X64"] = "1"
-  if SRC not in sys.path:
-    sys.path.insert(0, SRC)
+  if cpu_devices.SRC not in sys.path:
+    sys.path.insert(0, cpu_devices.SRC)
 
 
 def emit(result):

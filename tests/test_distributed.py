@@ -57,10 +57,6 @@ CACHE_TOL = UPDATE_TOL
 MULTIHOST_TOL = dict(depth=20)  # 20 steps.
 
 
-def _env(devices):
-  return cpu_devices.env(devices)
-
-
 def _result(stdout):
   for line in reversed(stdout.splitlines()):
     if line.startswith("RESULT "):
@@ -84,7 +80,7 @@ def _command(scenario, devices, *extra):
 def run_worker(scenario, devices=8, timeout=150):
   """Runs one scenario in a fresh interpreter with ``devices`` CPU devices."""
   try:
-    proc = cpu_devices.run(_command(scenario, devices), _env(devices),
+    proc = cpu_devices.run(_command(scenario, devices), cpu_devices.env(devices),
                            timeout=timeout, cwd=os.path.dirname(HERE))
   except subprocess.TimeoutExpired as e:
     pytest.fail(f"worker {scenario!r} timed out after {timeout} s; stderr:\n"
@@ -369,7 +365,7 @@ def test_two_processes_on_loopback_train_like_one_process():
                          str(i), "--num-processes", str(n_procs))
                 for i in range(n_procs)]
     results = _run_processes(commands + [ref_cmd],
-                             [_env(2)] * n_procs + [_env(4)], timeout=150)
+                             [cpu_devices.env(2)] * n_procs + [cpu_devices.env(4)], timeout=150)
     in_use = any("address already in use" in e.lower()
                  for rc, _, e in results[:n_procs] if rc)
     if not in_use:

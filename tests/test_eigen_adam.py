@@ -43,7 +43,6 @@ from kfac_jax_lite import blocks as B
 import _cpu_devices as cpu_devices
 from _helpers import count_primitives, x64_mode
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 B1, B2, EPS = 0.9, 0.999, 1e-8
 LR = 0.1
 
@@ -587,9 +586,7 @@ def _pmap_worker():
 
 
 def test_pmap_equals_one_device():
-  env = cpu_devices.env(8)
-  env.update(JAX_ENABLE_X64="1",
-             PYTHONPATH=os.pathsep.join([HERE, env["PYTHONPATH"]]))
+  env = dict(cpu_devices.env(8), JAX_ENABLE_X64="1")
   proc = cpu_devices.run([sys.executable, os.path.abspath(__file__), "pmap"],
                          env, timeout=300)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

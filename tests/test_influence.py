@@ -335,10 +335,7 @@ def test_fit_on_sharded_batches_splits_across_devices():
   import sys
 
   import _cpu_devices as cpu_devices
-  here = os.path.dirname(os.path.abspath(__file__))
-  env = cpu_devices.env(4)
-  env.update(JAX_ENABLE_X64="1",
-             PYTHONPATH=os.pathsep.join([here, env["PYTHONPATH"]]))
+  env = dict(cpu_devices.env(4), JAX_ENABLE_X64="1")
   proc = cpu_devices.run([sys.executable, os.path.abspath(__file__),
                           "sharded"], env, timeout=300)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
