@@ -77,7 +77,9 @@ def test_linen_train_state_with_batch(name):
   model, params, loss_fn = _linen()
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=LINEN_TX[name](loss_fn))
-  _falls(_train_state_losses(state, loss_fn, STEPS)[1])
+  state, losses = _train_state_losses(state, loss_fn, STEPS)
+  _falls(losses)
+  assert kfl.health(state.opt_state).steps == STEPS
 
 
 def _train_state_losses(state, loss_fn, steps):
@@ -95,7 +97,6 @@ def _train_state_losses(state, loss_fn, steps):
     state, loss = train_step(state, BATCH)
     losses.append(float(loss))
   return state, losses
-  assert kfl.health(state.opt_state).steps == STEPS
 
 
 def test_linen_train_state_with_stats_one_pass():
@@ -185,6 +186,79 @@ def test_nnx_optimizer_as_documented():
       state, is_leaf=lambda x: isinstance(x, kfl.KfacState))
             if isinstance(s, kfl.KfacState)][0]
   assert sorted(kstate.blocks) == ["l1/kernel", "l2/kernel"]
+
+
+def _nnx_split_with_batchnorm():
+  """nnx's functional pattern: ``nnx.split(model, nnx.Param,
+  nnx.BatchStat)``, the BatchNorm statistics in the batch and returned as
+  aux. The parameters are a ``State`` of ``nnx.Param``s, whose paths carry
+  a ``.value`` element that K-FAC's names must not (issue 48, point 1)."""
+  from flax import nnx
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.fc1 = nnx.Linear(5, 8, rngs=rngs)
+      self.bn1 = nnx.BatchNorm(8, rngs=rngs)
+      self.fc2 = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.fc2(jax.nn.relu(self.bn1(self.fc1(x),
+                                           use_running_average=False)))
+
+  graphdef, params, stats = nnx.split(Net(nnx.Rngs(0)), nnx.Param,
+                                      nnx.BatchStat)
+
+  def loss_fn(params, batch):
+    net = nnx.merge(graphdef, params, batch["stats"], copy=True)
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+        net(batch["x"]), batch["y"]).mean()
+    return loss, nnx.state(net, nnx.BatchStat)
+  return params, {"x": X, "y": Y, "stats": stats}, loss_fn
+
+
+NNX_SPLIT_TX = {
+    "kfac": lambda f, b: optax.chain(kfl.kfac(f, b, has_aux=True),
+                                     optax.sgd(0.1, momentum=0.9)),
+    "kfac_optimizer": lambda f, b: kfl.kfac_optimizer(f, b, has_aux=True),
+    "eigen_adam": lambda f, b: optax.chain(kfl.eigen_adam(f, b, has_aux=True),
+                                           optax.scale(-0.03)),
+}
+
+
+@pytest.mark.parametrize("style", ["batch", "one_pass"])
+@pytest.mark.parametrize("name", sorted(NNX_SPLIT_TX))
+def test_nnx_split_with_batchnorm_every_entry(name, style):
+  params, batch, loss_fn = _nnx_split_with_batchnorm()
+  names = {r["name"] for r in kfl.describe(loss_fn, params, batch,
+                                           has_aux=True)}
+  assert {"fc1/kernel", "fc2/kernel"} <= names, names
+  assert not any(n.endswith("/value") for n in names), names
+  tx = NNX_SPLIT_TX[name](loss_fn, batch)
+  state = tx.init(params)
+  est_fn = kfl.value_grad_and_stats(loss_fn, params, batch, has_aux=True)
+  assert {l.name for l in est_fn.tagged.layers} == names
+
+  @jax.jit
+  def step(params, state, batch, key):
+    if style == "one_pass":
+      est = est_fn(params, batch, key)
+      loss, grads, bn = est.loss, est.grads, est.aux
+      updates, state = tx.update(grads, state, params, batch=batch,
+                                 stats=est.stats, loss=loss)
+    else:
+      (loss, bn), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+          params, batch)
+      updates, state = tx.update(grads, state, params, batch=batch)
+    return optax.apply_updates(params, updates), state, loss, bn
+
+  losses = []
+  for i in range(STEPS):
+    params, state, loss, bn = step(params, state, batch, jax.random.PRNGKey(i))
+    batch = dict(batch, stats=bn)
+    losses.append(float(loss))
+  _falls(losses)
+  health = kfl.health(state)
+  assert health.steps == STEPS and health.bad_events == 0, health
 
 
 # -------------------------------------------------------------- Equinox

@@ -20,13 +20,7 @@ from typing import Any, Callable
 import jax
 import optax
 
-
-def is_wrapper(x) -> bool:
-  """Whether ``x`` is a flax ``Variable`` (``nnx.Param``, ``OptArray``,
-  ...): an object of a ``flax`` module with ``get_value``. Duck-typed, so
-  that flax stays an optional dependency."""
-  t = type(x)
-  return t.__module__.startswith("flax.") and hasattr(t, "get_value")
+from kfac_jax_lite.tagging import is_wrapper
 
 
 def unwrap(tree):

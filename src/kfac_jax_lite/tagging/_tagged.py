@@ -20,6 +20,7 @@ from kfac_jax_lite.tagging import _loss_heads
 from kfac_jax_lite.tagging import _rows
 from kfac_jax_lite.tagging import _losses
 from kfac_jax_lite.tagging import _vma
+from kfac_jax_lite.tagging._paths import named_leaves
 from kfac_jax_lite.tagging._paths import path_name as path_name
 from kfac_jax_lite.tagging._loss_tags import LossTag, find_loss_tags
 
@@ -35,10 +36,10 @@ _EQUINOX_FIX = ("params, static = eqx.partition(model, eqx.is_array) and "
 
 
 def _check_params(params):
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  leaves = named_leaves(params)
+  treedef = jax.tree.structure(params)
   paths = []
-  for path, leaf in leaves:
-    name = path_name(path)
+  for name, leaf in leaves:
     if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
       raise TypeError(
           f"parameter {name!r} is a {type(leaf).__name__}, not an array; "
