@@ -199,8 +199,9 @@ def test_price_defaults_are_kfacs():
   assert _describe.COV_EVERY == curv.cov_every
   kfac = inspect.signature(kfl.kfac).parameters
   desc = inspect.signature(kfl.describe).parameters
+  assert _describe._plan.DEFAULT_BUDGET == pre.budget
   for name in ("inverse_every", "inverse_method", "stats_fraction",
-               "cov_every", "damping_mode", "weight_sharing"):
+               "cov_every", "damping_mode", "weight_sharing", "budget"):
     assert desc[name].default == kfac[name].default, name
 
 

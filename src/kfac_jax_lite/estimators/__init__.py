@@ -153,6 +153,9 @@ from kfac_jax_lite.estimators._first_step import (
 from kfac_jax_lite.estimators._describe import Row as Row
 from kfac_jax_lite.estimators._describe import Table as Table
 from kfac_jax_lite.estimators._describe import describe as describe
+from kfac_jax_lite.estimators._describe import plan_for as plan_for
+from kfac_jax_lite.estimators._plan import DEFAULT_BUDGET as DEFAULT_BUDGET
+from kfac_jax_lite.estimators._plan import Plan as Plan
 
 __all__ = ["ESTIMATIONS", "Estimate", "Row", "Table", "describe", "estimate",
            "linearized_outputs", "value_grad_and_stats"]

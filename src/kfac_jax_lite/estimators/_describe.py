@@ -12,6 +12,7 @@ from kfac_jax_lite import factor as fac
 from kfac_jax_lite.estimators import _cost
 from kfac_jax_lite.estimators import _first_step
 from kfac_jax_lite.estimators import _fraction
+from kfac_jax_lite.estimators import _plan
 from kfac_jax_lite.estimators._checks import (
     check_estimation, check_has_loss, partial_loss)
 
@@ -58,6 +59,8 @@ class Table(list):
                f"({total / 2**20:.1f} MiB)")
     if self.price_line:
       out.append(self.price_line)
+    if self.plan is not None:
+      out.append(self.plan.line)
     out += self.loss_lines
     if self.first_step:
       out.append(f"first step: refused: {self.first_step}")
@@ -71,6 +74,9 @@ class Table(list):
   first_step: str | None = None
   #: The settings the rows' ``flops`` were priced at (set by ``describe``).
   price_settings: str = ""
+  #: The statistics and refresh intervals ``kfl.kfac`` plans for these
+  #: blocks (``_plan.Plan``; set by ``describe``).
+  plan: _plan.Plan | None = None
 
   @property
   def price(self) -> _cost.Price:
@@ -202,10 +208,11 @@ def _sharing(layer, block):
 
 
 # ``kfl.kfac``'s defaults (``optimizers.options``; the estimators cannot
-# import them: tests/test_describe_price.py checks they agree).
-INVERSE_EVERY = 10
+# import them: tests/test_describe_price.py checks they agree). None: the
+# plan chooses (``_plan``).
+INVERSE_EVERY = None
 STATS_FRACTION = 1.0
-COV_EVERY = 1
+COV_EVERY = None
 INVERSE_METHOD = "auto"
 STYLES = ("1-pass", "2-pass")
 
@@ -217,10 +224,12 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
              damping_mode: str = "pi", weight_sharing: str = "expand",
              estimation: str | None = None,
              example_axis: chex.ArrayTree | None = None,
-             inverse_every: int = INVERSE_EVERY,
+             inverse_every: int | None = INVERSE_EVERY,
              stats_fraction: float = STATS_FRACTION,
-             cov_every: int = COV_EVERY, inverse_method: str = INVERSE_METHOD,
-             style: str = "1-pass") -> Table:
+             cov_every: int | None = COV_EVERY,
+             inverse_method: str = INVERSE_METHOD,
+             style: str = "1-pass",
+             budget: float = _plan.DEFAULT_BUDGET) -> Table:
   """The curvature blocks of ``loss_fn``'s layers, as rows.
 
   ``has_aux``/``exclude``/``example_axis`` are those of ``find_layers``
@@ -251,7 +260,9 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   operation are left out of both steps. Priced at the batch's size ``M``
   and ``kfl.kfac``'s settings of the same names and defaults:
   ``inverse_every`` (``T``), ``stats_fraction`` (``f``), ``cov_every``
-  (the statistics' share of a step ``1/K``), ``inverse_method`` (``c`` of
+  (the statistics' share of a step ``1/K``; None for both: as
+  ``kfl.kfac`` plans them for ``budget``, shown on the plan line:
+  ``Table.plan``, ``plan_for``), ``inverse_method`` (``c`` of
   ``c·n³``: ``_cost.INVERSE_COSTS``, 2 for Gauss–Jordan, 7/3 Cholesky, 10
   eigh; ``"auto"`` as resolved on this backend); ``style``: ``"1-pass"``
   (the statistics share the gradient's forward pass:
@@ -275,10 +286,16 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
                                        "describe", tagged.examples) or m
   own = style == "2-pass" or stats_m < m
   c = _cost.INVERSE_COSTS[method]
+  plan = plan_for(tagged, batch, budget=budget, cov_every=cov_every,
+                  inverse_every=inverse_every, stats_fraction=stats_fraction,
+                  estimation=estimation, inverse_method=inverse_method,
+                  damping_mode=damping_mode)
+  inverse_every, cov_every = plan.inverse_every, plan.cov_every
   table = rows(tagged, dict(
       m=m, stats_m=stats_m, inverse_every=inverse_every, cov_every=cov_every,
       c=c, own_forward=own, backward=estimation != "empirical_shared",
       damping_mode=damping_mode))
+  table.plan = plan
   table.price_settings = (
       f"inverse_every={inverse_every}, inverse_method={method!r} (c={c:.3g}), "
       f"stats_fraction={stats_fraction:g} ({stats_m} of {m} examples), "
@@ -287,3 +304,27 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
       tagged, params, batch,
       estimation or ("fisher" if tagged.losses else "empirical"))
   return table
+
+
+def plan_for(tagged, batch, *, budget: float | None = _plan.DEFAULT_BUDGET,
+             cov_every: int | None = None, inverse_every: int | None = None,
+             stats_fraction: float = STATS_FRACTION,
+             estimation: str | None = None,
+             inverse_method: str = INVERSE_METHOD,
+             damping_mode: str = "pi") -> _plan.Plan:
+  """``kfl.kfac``'s plan (``_plan``) for ``tagged`` (a ``TaggedLoss`` with
+  its blocks) at ``batch``'s size: the blocks priced at ``K = T = 1`` in
+  the dearer step style (the statistics with their own forward pass), then
+  ``_plan.plan``. ``cov_every``/``inverse_every`` given are kept; the
+  other arguments are ``kfl.kfac``'s of the same names (``estimation``
+  None: ``"fisher"``)."""
+  method = fac.check_inverse_method(inverse_method)
+  m = tagged.examples.size or 1
+  stats_m = _fraction.stats_batch_size(batch, stats_fraction, "kfl.kfac",
+                                       tagged.examples) or m
+  table = rows(tagged, dict(
+      m=m, stats_m=stats_m, inverse_every=1, cov_every=1,
+      c=_cost.INVERSE_COSTS[method], own_forward=True,
+      backward=estimation != "empirical_shared", damping_mode=damping_mode))
+  return _plan.plan([r["flops"] for r in table], budget=budget,
+                    cov_every=cov_every, inverse_every=inverse_every)

@@ -57,7 +57,9 @@ class CurvatureOptions(NamedTuple):
     cov_every: statistics are computed and folded into the factors every
       ``cov_every`` updates (from update 0). With ``stats=`` they are used
       only on those updates: compute them only then with ``est_fn(...,
-      with_stats=kfl.stats_due(state))``.
+      with_stats=kfl.stats_due(state))``. None (``kfl.kfac``'s default):
+      planned from the cost model within ``budget``
+      (``PreconditionerOptions.budget``; ``kfl.describe`` prints the plan).
     stats_fraction: the share ``f`` in ``(0, 1]`` of each ``batch=`` the
       statistics are computed on (its first ``round(N·f)`` examples, at
       least 2; Martens & Grosse use 1/8). ``stats=`` are used as given: ask
@@ -89,7 +91,7 @@ class CurvatureOptions(NamedTuple):
   estimation: str = "fisher"
   num_samples: int = 1
   cov_decay: float = 0.95
-  cov_every: int = 1
+  cov_every: int | None = None
   stats_fraction: float = 1.0
   blocks: Mapping[str, Any] | None = None
   exclude: Sequence[str] = ()
@@ -104,9 +106,9 @@ class CurvatureOptions(NamedTuple):
     option out of its range or one that does not fit ``example_batch``."""
     estimators.check_estimation(self.estimation, self.num_samples)
     estimators.check_stats_fraction(self.stats_fraction)
-    if not _positive_int(self.cov_every):
-      raise ValueError(f"{where}: cov_every must be a positive int, got "
-                       f"{self.cov_every!r}")
+    if self.cov_every is not None and not _positive_int(self.cov_every):
+      raise ValueError(f"{where}: cov_every must be a positive int (or None: "
+                       f"planned), got {self.cov_every!r}")
     if not 0 <= self.cov_decay < 1:
       raise ValueError(f"{where}: cov_decay must be in [0, 1), got "
                        f"{self.cov_decay!r}")
@@ -129,7 +131,16 @@ class PreconditionerOptions(NamedTuple):
       reaches the preconditioner at the next refresh; ``damping_mode=
       "exact"`` uses the ``λ`` of every call.
     inverse_every: the caches are refreshed every ``inverse_every`` steps,
-      and at steps 1, 2, 4, 8, ... below it.
+      and at steps 1, 2, 4, 8, ... below it. None (``kfl.kfac``'s default):
+      planned from the cost model within ``budget``.
+    budget: what ``kfl.kfac`` may spend, as its mean step over a refresh
+      period in SGD steps of the model's FLOPs (``kfl.estimators``'
+      ``_cost``), when it plans ``cov_every`` and ``inverse_every`` (those
+      left None): the smallest refresh interval of (10, 20, 50, 100), then
+      the most frequent statistics, whose predicted price fits
+      (``kfl.describe``'s plan line gives the choice, the price, the
+      every-step price and the floor: the preconditioning, paid every step).
+      A larger budget buys statistics every step back; given intervals win.
     damping_mode: ``"pi"`` (factored Tikhonov: ``A + π√λ I`` and
       ``G + √λ/π I``, ``π = √((tr A/dim A)/(tr G/dim G))``; the cache holds
       the damped inverses) or ``"exact"`` (``(A⊗G + λI)^p`` through the
@@ -168,7 +179,8 @@ class PreconditionerOptions(NamedTuple):
   """
 
   damping: float | optax.Schedule = DEFAULT_DAMPING
-  inverse_every: int = 10
+  inverse_every: int | None = None
+  budget: float = estimators.DEFAULT_BUDGET
   damping_mode: str = "pi"
   precon_power: float = -1.0
   norm_constraint: float | None = DEFAULT_NORM_CONSTRAINT
@@ -180,9 +192,14 @@ class PreconditionerOptions(NamedTuple):
   def check(self) -> None:
     """Raises a ``ValueError`` for an option out of its range."""
     fac.check_inverse_method(self.inverse_method)
-    if not _positive_int(self.inverse_every):
-      raise ValueError(f"inverse_every must be a positive int, got "
-                       f"{self.inverse_every!r}")
+    if self.inverse_every is not None and not _positive_int(
+        self.inverse_every):
+      raise ValueError(f"inverse_every must be a positive int (or None: "
+                       f"planned), got {self.inverse_every!r}")
+    if not (isinstance(self.budget, (int, float))
+            and not isinstance(self.budget, bool) and 1 < self.budget < 1e9):
+      raise ValueError(f"budget must be a number above 1 (the planned step "
+                       f"in SGD steps), got {self.budget!r}")
     if (self.norm_constraint is not None
         and not isinstance(self.norm_constraint, jax.Array)
         and not self.norm_constraint > 0):  # An array: kfl.inject_hyperparams.

@@ -126,7 +126,9 @@ def _check_axis_name(axis_name, params, data):
 def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
          damping: float | optax.Schedule = O.DEFAULT_DAMPING,
          estimation: str = "fisher", num_samples: int = 1,
-         cov_decay: float = 0.95, cov_every: int = 1, inverse_every: int = 10,
+         cov_decay: float = 0.95, cov_every: int | None = None,
+         inverse_every: int | None = None,
+         budget: float = estimators.DEFAULT_BUDGET,
          damping_mode: str = "pi", stats_fraction: float = 1.0,
          precon_power: float = -1.0,
          norm_constraint: float | None = O.DEFAULT_NORM_CONSTRAINT,
@@ -163,6 +165,7 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       batch size but the same structure.
     damping: ``kfl.PreconditionerOptions.damping``.
     inverse_every: ``kfl.PreconditionerOptions.inverse_every``.
+    budget: ``kfl.PreconditionerOptions.budget``.
     damping_mode: ``kfl.PreconditionerOptions.damping_mode``.
     precon_power: ``kfl.PreconditionerOptions.precon_power``.
     norm_constraint: ``kfl.PreconditionerOptions.norm_constraint``.
@@ -216,8 +219,8 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       example_axis=example_axis, has_aux=has_aux, axis_name=axis_name,
       seed=seed)
   preconditioner = O.PreconditionerOptions(
-      damping=damping, inverse_every=inverse_every, damping_mode=damping_mode,
-      precon_power=precon_power, norm_constraint=norm_constraint,
+      damping=damping, inverse_every=inverse_every, budget=budget,
+      damping_mode=damping_mode, precon_power=precon_power, norm_constraint=norm_constraint,
       inverse_method=inverse_method, layout=layout, mesh=mesh, gather=gather)
   return build(loss_fn, example_batch, curvature, preconditioner).transform
 
@@ -264,6 +267,20 @@ class _Kfac(NamedTuple):
   layout: str  # "replicated" or "sharded" (``_layouts.check``)
   damping_schedule: Callable
   layers: Callable  # (params, batch=None) -> tagging.TaggedLoss
+  plan: Callable  # (params) -> estimators.Plan
+
+
+def planned(cfg: _Kfac, params) -> _Kfac:
+  """``cfg`` with ``cov_every`` and ``inverse_every`` as planned for
+  ``params`` (``estimators.plan_for`` at the example batch; those given
+  are kept)."""
+  c, p = cfg.curvature, cfg.preconditioner
+  if c.cov_every is not None and p.inverse_every is not None:
+    return cfg
+  chosen = cfg.plan(params)
+  return cfg._replace(
+      curvature=c._replace(cov_every=chosen.cov_every),
+      preconditioner=p._replace(inverse_every=chosen.inverse_every))
 
 
 def build(loss_fn: Callable, example_batch, curvature: O.CurvatureOptions,
@@ -282,7 +299,7 @@ def build(loss_fn: Callable, example_batch, curvature: O.CurvatureOptions,
                       else (lambda _: p.damping))
   layers = _detection_of(loss_fn, example_batch, curvature, p.damping_mode)
   cfg = _Kfac(loss_fn, example_batch, curvature, p, layout, damping_schedule,
-              layers)
+              layers, _plan_of(layers, example_batch, curvature, p))
   return KfacWithLayers(
       optax.GradientTransformationExtraArgs(functools.partial(_init, cfg),
                                             functools.partial(_update, cfg)),
@@ -311,6 +328,24 @@ def _detection_of(loss_fn, example_batch, curvature, damping_mode):
       _detection.check_same_layers(layers(params), with_blocks[tagged])
     return with_blocks[tagged]
   return layers
+
+
+def _plan_of(layers, example_batch, curvature, preconditioner):
+  """``plan(params)``: ``estimators.plan_for`` the detection of
+  ``params`` at the example batch, once per detection."""
+  c, p = curvature, preconditioner
+  cache: dict = {}
+
+  def plan(params) -> estimators.Plan:
+    tagged = layers(params)
+    if tagged not in cache:
+      cache[tagged] = estimators.plan_for(
+          tagged, example_batch, budget=p.budget, cov_every=c.cov_every,
+          inverse_every=p.inverse_every, stats_fraction=c.stats_fraction,
+          estimation=c.estimation, inverse_method=p.inverse_method,
+          damping_mode=p.damping_mode)
+    return cache[tagged]
+  return plan
 
 
 def _init(cfg: _Kfac, params) -> KfacState:
@@ -404,6 +439,7 @@ def _run(cfg: _Kfac, updates, state, params, *, batch, stats, damping, loss,
   ``loss=`` when that is not given; a non-finite loss (with a finite
   gradient) or a bad target skips the update (a zero update, statistics
   left out) and is counted (``_health_state``)."""
+  cfg = planned(cfg, params)
   c, p = cfg.curvature, cfg.preconditioner
   stats, run = estimators.split_run(stats)
   tagged = _tagged_for_batch(cfg, params, batch, stats)

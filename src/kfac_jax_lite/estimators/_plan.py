@@ -1,0 +1,140 @@
+"""The plan: how often ``kfl.kfac`` computes statistics and refreshes its
+inverses, chosen from the cost model (``_cost``) and the model's shapes so
+that the mean step over a refresh period stays within a budget.
+
+With the blocks' FLOPs at the example batch (``describe``'s rows) summed
+into SGD's share ``W``, the statistics of one update ``S`` (on the
+``stats_fraction`` share, with their own forward pass: the dearer of the
+two step styles), the preconditioning ``P`` (every step) and one refresh
+``R``, statistics every ``K`` steps and a refresh every ``T`` cost, per
+step and in SGD steps,
+
+    price(K, T) = 1 + (S / K + P + R / T) / W.
+
+The plan takes the smallest ``T`` of ``INVERSE_EVERY``, then the smallest
+``K ≤ T`` of ``COV_EVERY``, whose price is at most the budget: fresh
+inverses first (they are what the preconditioner uses), then statistics as
+often as the budget leaves room for. The preconditioning is paid every
+step whatever the plan, so ``1 + P / W`` is the floor; where the floor
+leaves less than ``MIN_SHARE`` of the budget's overhead ``budget − 1``, the
+plan prices against ``floor + MIN_SHARE·(budget − 1)`` instead (the
+statistics and refresh still get their share, the budget is reported as
+not met), and where nothing fits, the sparsest pair.
+
+Horizon. Statistics every ``K`` steps on the whole batch average as many
+examples per update as every step does, so the EMA's decay ``β`` is kept:
+its effective number of examples ``M·(1 + β)/(1 − β)`` (the variance of
+the averaged statistics; ``M`` per update) is the same, and its span in
+steps is ``K`` times longer. The young refreshes (steps 1, 2, 4, ...
+below ``T``: ``is_refresh_step``) stay, so the first inverses follow the
+first statistics.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kfac_jax_lite.estimators import _cost
+
+DEFAULT_BUDGET = 1.3
+"""``kfl.kfac``'s ``budget``: the planned mean step, in SGD steps."""
+INVERSE_EVERY = (10, 20, 50, 100)
+"""The refresh intervals the plan chooses from, in order of preference."""
+COV_EVERY = (1, 2, 5, 10, 20, 50, 100)
+"""The statistics intervals the plan chooses from (at most ``T``)."""
+MIN_SHARE = 0.25
+"""The least share of ``budget − 1`` the statistics and the refresh are
+priced against when the preconditioning alone takes more."""
+
+
+class Plan(NamedTuple):
+  """What the plan chose and what the cost model predicts for it.
+
+  Attributes:
+    cov_every: ``K``, statistics every ``K`` steps.
+    inverse_every: ``T``, a refresh every ``T`` steps.
+    budget: the budget it was planned for (SGD steps), or None when both
+      intervals were given.
+    price: the predicted mean step, in SGD steps (None without an SGD share).
+    every_step: the price with statistics every step and a refresh every
+      10 (the fixed defaults before the plan).
+    floor: the price of the preconditioning alone (``1 + P / W``).
+    planned: the names of the options the plan chose (the others given).
+  """
+
+  cov_every: int
+  inverse_every: int
+  budget: float | None
+  price: float | None
+  every_step: float | None
+  floor: float | None
+  planned: tuple
+
+  @property
+  def met(self) -> bool:
+    """Whether the predicted price is within the budget."""
+    return (self.budget is None or self.price is None
+            or self.price <= self.budget + 1e-9)
+
+  @property
+  def line(self) -> str:
+    """``plan: statistics every 5 steps, refresh every 20 (planned for
+    budget 1.3: ~1.25x an SGD step; every-step statistics ~2.7x; floor
+    1.05x)``."""
+    what = (f"plan: statistics every {self.cov_every} step"
+            f"{'s' if self.cov_every > 1 else ''}, refresh every "
+            f"{self.inverse_every}")
+    if self.price is None:
+      return what + " (no SGD share known: nothing to plan against)"
+    given = [n for n in ("cov_every", "inverse_every")
+             if n not in self.planned]
+    how = (f"planned ({', '.join(self.planned)}) for budget "
+           f"{self.budget:g}" if self.planned else "as given")
+    if given and self.planned:
+      how += f", {', '.join(given)} given"
+    verdict = "" if self.met else (
+        f"; the budget is NOT met: the preconditioning alone costs "
+        f"{self.floor:.2f}x every step")
+    return (f"{what} ({how}: ~{self.price:.2f}x an SGD step; every-step "
+            f"statistics ~{self.every_step:.2f}x; floor {self.floor:.2f}x"
+            f"{verdict})")
+
+
+def _parts(flops):
+  """``(W, S, P, R)``: SGD's share, one update's statistics, the
+  preconditioning and one refresh, summed over blocks priced at
+  ``K = T = 1``."""
+  total = _cost.price(flops).flops
+  return total.sgd, total.statistics, total.precondition, total.refresh
+
+
+def plan(flops, *, budget: float | None = DEFAULT_BUDGET,
+         cov_every: int | None = None,
+         inverse_every: int | None = None) -> Plan:
+  """The ``Plan`` for blocks priced ``flops`` (``_cost.Flops`` per block at
+  ``cov_every = inverse_every = 1``; module docstring).
+
+  Args:
+    flops: the blocks' ``Flops`` at ``K = T = 1``.
+    budget: the mean step allowed, in SGD steps (> 1).
+    cov_every: ``K`` when given (then only ``T`` is planned).
+    inverse_every: ``T`` when given (then only ``K`` is planned).
+  """
+  w, s, p, r = _parts(flops)
+  planned = tuple(n for n, v in (("cov_every", cov_every),
+                                 ("inverse_every", inverse_every))
+                  if v is None)
+  price = (lambda k, t: 1 + (s / k + p + r / t) / w) if w else None
+  ts = INVERSE_EVERY if inverse_every is None else (inverse_every,)
+  pairs = [(k, t) for t in ts
+           for k in (COV_EVERY if cov_every is None else (cov_every,))
+           if cov_every is not None or k <= t]
+  if price is None or not planned:
+    k, t = (cov_every or 1, inverse_every or INVERSE_EVERY[0])
+    if price is None:
+      return Plan(k, t, budget, None, None, None, planned)
+    return Plan(k, t, None, price(k, t), price(1, 10), 1 + p / w, ())
+  floor = 1 + p / w
+  target = max(budget, floor + MIN_SHARE * (budget - 1))
+  k, t = next((pair for pair in pairs if price(*pair) <= target),
+              max(pairs, key=lambda kt: (kt[1], kt[0])))
+  return Plan(k, t, budget, price(k, t), price(1, 10), floor, planned)
