@@ -353,10 +353,11 @@ def test_describe_total_is_the_curvature_state_bytes(mode):
   state = kfl.kfac(loss_fn, batch, damping_mode=mode).init(params)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state.blocks))
   assert table.total_bytes == nbytes
-  # The totals, the step's price, then the loss line.
-  assert str(table).splitlines()[-3].startswith(
+  # The totals, the step's price, the plan, then the loss line.
+  assert str(table).splitlines()[-4].startswith(
       f"{len(table)} blocks, {nbytes} bytes of state (")
-  assert str(table).splitlines()[-2].startswith("step price: ~")
+  assert str(table).splitlines()[-3].startswith("step price: ~")
+  assert str(table).splitlines()[-2].startswith("plan: statistics every ")
   assert str(table).splitlines()[-1] == (
       "loss: Categorical (registered), per-element values [6]; outputs of w1")
   # π damping: per dense factor its covariance and one cached n×n matrix.

@@ -40,7 +40,7 @@ def _dense_problem():
 def test_dense_layer_against_a_hand_count():
   params, batch = _dense_problem()
   table = kfl.describe(_dense_loss, params, batch, inverse_method="cholesky",
-                       inverse_every=10)
+                       inverse_every=10, cov_every=1)
   (row,) = table
   # a = 5 inputs + 1 bias = 6, b = 3, M = 7, one row per example.
   assert row.positions == 1
@@ -68,8 +68,10 @@ def test_dense_layer_with_a_statistics_share_and_cov_every():
       (2 * 2 * 6 * 3 + 2 * 2 * (36 + 9) + 2 * 2 * 6 * 3) / 2)
   assert f.refresh == pytest.approx(2 * (6 ** 3 + 3 ** 3) / 5)
   # The 2-pass style at f = 1 adds the forward over all 7 examples.
-  (two,) = kfl.describe(_dense_loss, params, batch, style="2-pass")
-  (one,) = kfl.describe(_dense_loss, params, batch, style="1-pass")
+  (two,) = kfl.describe(_dense_loss, params, batch, style="2-pass",
+                        cov_every=1)
+  (one,) = kfl.describe(_dense_loss, params, batch, style="1-pass",
+                        cov_every=1)
   assert two.flops.statistics - one.flops.statistics == pytest.approx(
       2 * 7 * 6 * 3)
 
@@ -92,7 +94,8 @@ def test_conv_layer_against_a_hand_count(padding, side):
   batch = {"x": jnp.ones((2, 6, 6, 2)),
            "y": jnp.zeros((2, side * side * 4))}
   (row,) = kfl.describe(_conv_loss(padding), params, batch,
-                        inverse_method="cholesky", inverse_every=10)
+                        inverse_method="cholesky", inverse_every=10,
+                        cov_every=1)
   p = side * side                      # 16 or 36 positions
   a, b, m = 3 * 3 * 2 + 1, 4, 2        # a = 19 with the bias
   assert row.positions == p
@@ -117,7 +120,7 @@ def test_diagonal_block_and_scan_steps_against_a_hand_count():
   params = {"w": jnp.ones((3, 4)) * 0.1}
   batch = {"x": jnp.ones((4, 5, 3)), "y": jnp.zeros((4, 4))}
   (row,) = kfl.describe(loss, params, batch, blocks={"dense": "diagonal"},
-                        inverse_every=10)
+                        inverse_every=10, cov_every=1)
   m, p, n = 4, 5, 12
   assert row.positions == p
   assert row.factors == ((n,),)
@@ -153,8 +156,8 @@ def test_mlp_price_is_the_benchmarks_floor(style, fraction):
             for k, i, o in zip(keys, dims[:-1], dims[1:])]
   batch = {"x": jnp.ones((m, dims[0])), "y": jnp.zeros((m, dims[-1]))}
   table = kfl.describe(_mlp_loss, params, batch, inverse_method="cholesky",
-                       inverse_every=10, stats_fraction=fraction,
-                       style=style)
+                       inverse_every=10, cov_every=1,
+                       stats_fraction=fraction, style=style)
   floor = _cost_model.floor_ratio(dims, m, fraction=fraction, interval=10,
                                   c=C_CHOLESKY, two_pass=style == "2-pass")
   assert table.price.ratio == pytest.approx(floor, rel=1e-12)
@@ -172,7 +175,8 @@ def test_mlp_price_is_the_benchmarks_floor(style, fraction):
 
 def test_printed_table_has_the_price_line():
   params, batch = _dense_problem()
-  table = kfl.describe(_dense_loss, params, batch, inverse_method="cholesky")
+  table = kfl.describe(_dense_loss, params, batch, inverse_method="cholesky",
+                       inverse_every=10, cov_every=1)
   text = str(table)
   line = next(l for l in text.splitlines() if l.startswith("step price:"))
   p = table.price

@@ -79,7 +79,8 @@ def train(steps, lr, use_kfac, seed=0, batch=256):
     idx = jax.random.choice(data_key, x_all.shape[0], (batch,), replace=False)
     b = {"x": x_all[idx], "y": y_all[idx]}
     if use_kfac:
-      est = est_fn(params, b, stats_key)
+      # Statistics only on the steps the plan uses them (kfl.describe).
+      est = est_fn(params, b, stats_key, with_stats=kfl.stats_due(opt_state))
       loss = est.loss
       updates, opt_state = opt.update(est.grads, opt_state, params,
                                       stats=est.stats, loss=est.loss)
