@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kfac_jax_lite as kfl
-from _helpers import x64_mode
+from _helpers import assert_rounding_close, x64_mode
 
 N, D, H, C = 24, 3, 4, 3  # N > every factor's size: distinct eigenvalues.
 
@@ -139,6 +139,45 @@ def test_identity_is_the_gradient_inner_product():
     got = kfl.influence.pairwise_scores(state, params, (x[:3], y[:3]),
                                         [(x, y)], progress=False)
     np.testing.assert_allclose(got, grads[:3] @ grads.T, rtol=1e-10)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+def test_identity_scores_are_gradient_products_at_batch_300(x64):
+  # Issue 48.8: at a batch of 300 with a 31x64 layer the identity
+  # self-scores were 1e+19 to 1e+276 or NaN (XLA:CPU miscompiled their
+  # einsum against a constant array of ones); brute force: float64
+  # per-example gradients of the same (float32-representable) data.
+  # float32 tolerance (``rounding_tol``): each score is a sum of P
+  # non-negative products (pairwise: bounded by the largest self-score,
+  # Cauchy-Schwarz) at the end of 4 chained reductions (two forward
+  # layers, the backward pass, the sum).
+  rng = np.random.default_rng(3)
+  n, d, h = 300, 30, 64
+  as32 = lambda a: np.asarray(a, np.float32).astype(np.float64)
+  params = {"w1": as32(rng.normal(size=(d, h)) / 4),
+            "b1": as32(rng.normal(size=h) * .1),
+            "w2": as32(rng.normal(size=(h, C)) / 2),
+            "b2": as32(rng.normal(size=C) * .1)}
+  x, y = as32(rng.normal(size=(n, d))), rng.integers(0, C, n)
+  with x64_mode(True):
+    grads = np.asarray(flat_grads(jax.tree.map(jnp.asarray, params),
+                                  jnp.asarray(x), jnp.asarray(y)))
+  want_self, want_pair = np.sum(grads ** 2, 1), grads[:4] @ grads.T
+  dtype = jnp.float64 if x64 else jnp.float32
+  with x64_mode(x64):
+    p = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    batch = (jnp.asarray(x, dtype), jnp.asarray(y))
+    state = kfl.influence.fit(loss_fn, p, [batch], strategy="identity",
+                              estimation="empirical", progress=False)
+    got_self = kfl.influence.self_scores(state, p, [batch], progress=False)
+    got_pair = kfl.influence.pairwise_scores(state, p, (batch[0][:4],
+                                                        batch[1][:4]),
+                                             [batch], progress=False)
+  assert got_self.dtype == dtype
+  terms = grads.shape[1]
+  assert_rounding_close(got_self, want_self, terms, depth=4)
+  assert_rounding_close(got_pair, want_pair, terms, depth=4,
+                        scale=want_self.max())
 
 
 def test_precondition_matches_the_factored_scores():

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import kfac_jax_lite as kfl
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite.estimators import describe
 from kfac_jax_lite.tagging import find_layers
@@ -120,6 +121,59 @@ def test_an_override_that_matches_nothing_is_an_error():
   excluded = find_layers(nested, params, X, exclude=("l0/b",))
   with pytest.raises(ValueError, match="excluded parameters have no block"):
     excluded.with_blocks({"l0/b": "full"})
+
+
+def _mlp(n):
+  """``n`` dense layers ``l0 .. l{n-1}`` (``lk/w``, ``lk/b``) on ``X``."""
+  params = {f"l{k}": {"w": jnp.ones((3, 3)), "b": jnp.zeros(3)}
+            for k in range(n)}
+
+  def f(p, x):
+    for k in range(n):
+      x = jnp.tanh(x @ p[f"l{k}"]["w"] + p[f"l{k}"]["b"])
+    return jnp.mean(x ** 2)
+  return f, params
+
+
+def test_an_exclude_pattern_that_matches_nothing_is_an_error():
+  """Issue 48.4: ``exclude=["l9"]`` on ``l0/w, l0/b, l1/w, l1/b`` was
+  accepted and excluded nothing. Every entry that takes ``exclude=``
+  traces through ``find_layers``, which refuses it naming the pattern and
+  the nearest paths (under a prefix, with the pattern that takes them); a
+  pattern that matches still excludes."""
+  f, params = _mlp(2)
+  with pytest.raises(ValueError, match=r"exclude= pattern 'l9' matches no "
+                     r"parameter.*nearest of its 4 paths: .*l0/w"):
+    find_layers(f, params, X, exclude=["l9"])
+  with pytest.raises(ValueError, match=r"'l0' matches no.*l0/b, l0/w.*"
+                     r"'l0/\*'"):
+    find_layers(f, params, X, exclude=["l1/w", "l0"])
+  entries = {
+      "describe": lambda ex: kfl.describe(f, params, X, exclude=ex),
+      "value_grad_and_stats": lambda ex: kfl.value_grad_and_stats(
+          f, params, X, exclude=ex),
+      "kfac": lambda ex: kfl.kfac(f, X, exclude=ex).init(params),
+      "kfac_optimizer": lambda ex: kfl.kfac_optimizer(
+          f, X, exclude=ex).init(params),
+      "eigen_adam": lambda ex: kfl.eigen_adam(f, X, exclude=ex).init(params),
+      "influence.fit": lambda ex: kfl.influence.fit(
+          f, params, [X], exclude=ex, progress=False),
+  }
+  for entry in entries.values():
+    with pytest.raises(ValueError, match="exclude= pattern 'l9'"):
+      entry(["l9"])
+  assert find_layers(f, params, X, exclude=["l0/*"]).excluded == (
+      "l0/b", "l0/w")
+
+
+def test_a_blocks_key_that_matches_nothing_names_the_nearest_paths():
+  """A mistyped ``blocks=`` key on a model of many layers names the paths
+  it is nearest to, not the model's first twelve."""
+  f, params = _mlp(8)
+  tl = find_layers(f, params, X)
+  with pytest.raises(ValueError, match=r"blocks= key 'l7/W' .*nearest of "
+                     r"its 16 paths: l7/w"):
+    tl.with_blocks({"l7/W": "diagonal"})
 
 
 def test_full_override_gets_per_example_gradients():

@@ -155,6 +155,22 @@ def pairwise_scores(state: _fit.InfluenceState, params, queries,
   return jnp.concatenate(cols, axis=1)
 
 
+def _squared_norms(a, g):
+  """``[N]`` ``Σ_g |∇_W ℓ_n|²_F`` of one layer, the identity strategy's
+  self-scores, from the factors ``ā [N, R, G, a]``, ``g [N, R, G, b]``.
+
+  For ``R = 1``, ``|ā gᵀ|²_F = Σ_ij ā_i² g_j² = |ā|² |g|²`` (``B·(a + b)``
+  FLOPs); otherwise ``|Σ_r ā_r g_rᵀ|²_F`` from the per-example gradients.
+  No weight array of ones: XLA:CPU (jaxlib 0.10.2) miscompiles a dot whose
+  operand is a scalar broadcast (``jnp.ones``, ``jnp.full``) built inside
+  the jitted function, at a batch of ~160 and more (garbage or NaN, issue
+  48).
+  """
+  if a.shape[1] == 1:
+    return jnp.sum(jnp.sum(a[:, 0] ** 2, -1) * jnp.sum(g[:, 0] ** 2, -1), -1)
+  return jnp.sum(jnp.einsum("nrgi,nrgj->ngij", a, g) ** 2, axis=(1, 2, 3))
+
+
 def self_scores(state: _fit.InfluenceState, params, train_batches, *,
                 damping=None, damping_fraction=0.1, progress=True):
   """``[N]`` self-influence ``s(t) = ∇ℓ_tᵀ (Ĝ + λI)⁻¹ ∇ℓ_t``.
@@ -177,16 +193,16 @@ def self_scores(state: _fit.InfluenceState, params, train_batches, *,
       if state.strategy in ("kfac", "ekfac"):
         a = jnp.einsum("nrgi,gij->nrgj", a, st.eigvecs_a[k])
         g = jnp.einsum("nrgi,gij->nrgj", g, st.eigvecs_g[k])
-      inv = (1.0 if state.strategy == "identity"
-             else 1 / (st.eigvals[k] + lam[k]))
+      if state.strategy == "identity":
+        total = total + _squared_norms(a, g)
+        continue
+      inv = 1 / (st.eigvals[k] + lam[k])  # [G, a, b]
       if a.shape[1] == 1:
-        w = jnp.ones(a.shape[2:3] + (a.shape[-1], g.shape[-1]), a.dtype) * inv
-        total = total + jnp.einsum("ngi,gij,ngj->n", a[:, 0] ** 2, w,
+        total = total + jnp.einsum("ngi,gij,ngj->n", a[:, 0] ** 2, inv,
                                    g[:, 0] ** 2)
       else:
         per = jnp.einsum("nrgi,nrgj->ngij", a, g)
-        total = total + jnp.einsum("ngij,gij->n", per ** 2,
-                                   jnp.broadcast_to(inv, per.shape[1:]))
+        total = total + jnp.einsum("ngij,gij->n", per ** 2, inv)
     return total
   arrays = _arrays(state)
   return jnp.concatenate([score(params, b, lam, arrays) for b in

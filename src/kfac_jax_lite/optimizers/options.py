@@ -70,7 +70,8 @@ class CurvatureOptions(NamedTuple):
       ``"kron_indep"``, a dict of the default block's options, a block, or
       a callable ``f(layer) -> block``; see ``kfl.tagging.find_layers``).
     exclude: parameter paths (or patterns) left out of the curvature; their
-      gradient passes through unchanged.
+      gradient passes through unchanged. A pattern that matches no
+      parameter path is a ``ValueError`` naming the nearest paths.
     weight_sharing: for a layer applied over extra axes (sequence
       positions of a dense layer, output locations of a convolution):
       ``"expand"`` (the positions are examples; KFC for convolutions) or

@@ -10,7 +10,8 @@ re-trace. What a layer of each kind gets is its kind's to say (its spec's
 ``default_block``, ``block_for`` and ``with_options``, in
 ``tagging/_kinds/<kind>.py``), so a new kind brings its blocks with it;
 this module applies the overrides and the stacking. Overrides (``blocks=``) map a parameter path (an exact
-path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
+path or an ``fnmatch`` pattern such as ``"*/bias"``; a prefix is no match,
+``"l0/*"`` takes ``l0/w`` and ``l0/b``, ``"l0"`` neither) or a layer kind
 (``"dense"``, ``"conv"``, ``"embedding"``, ``"scale_and_shift"``,
 ``"fallback"``) to one of:
 
@@ -32,18 +33,19 @@ path or an ``fnmatch`` pattern such as ``"*/bias"``) or a layer kind
 * a callable ``f(layer) -> block`` (``layer``: the ``Layer`` record with the
   default block filled in).
 
-Paths take precedence over kinds; the first matching path pattern wins. A
-layer stacked along ``lax.scan`` gets ``Stacked(block, L)`` of the chosen
-(one-slice) block.
+Paths take precedence over kinds; the first matching path pattern wins; a
+key that is no kind and matches no layer's parameter path is a
+``ValueError`` naming the nearest paths. A layer stacked along
+``lax.scan`` gets ``Stacked(block, L)`` of the chosen (one-slice) block.
 """
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import typing
 
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite.tagging import _kinds
+from kfac_jax_lite.tagging import _paths
 
 SERIES_CHOICES = ("series1", "series2", "kron_indep")
 CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal", "ekfac",
@@ -53,7 +55,7 @@ CHOICES = ("kronecker", "diagonal", "full", "naive_diagonal", "ekfac",
 def _matches(pattern, paths):
   """Whether ``pattern`` (an exact path or an ``fnmatch`` pattern) names
   one of ``paths``."""
-  return any(p == pattern or fnmatch.fnmatchcase(p, pattern) for p in paths)
+  return any(_paths.matches(pattern, p) for p in paths)
 
 
 def find_override(overrides, paths, kind):
@@ -89,14 +91,11 @@ def _check_keys(overrides, layers):
   for pattern in overrides or ():
     if pattern in _kinds.REGISTRY or _matches(pattern, paths):
       continue
-    near = [p for p in paths if p.startswith(pattern.rstrip("/*") + "/")]
-    hint = (f"; to take the parameters under it use the pattern "
-            f"{pattern.rstrip('/') + '/*'!r}" if near else "")
-    shown = ", ".join(paths[:12]) + (", ..." if len(paths) > 12 else "")
     raise ValueError(
         f"blocks= key {pattern!r} is neither a layer kind "
         f"{tuple(_kinds.REGISTRY)} nor matches a parameter of a detected "
-        f"layer (paths: {shown}; excluded parameters have no block){hint}")
+        f"layer (excluded parameters have no block; "
+        f"{_paths.unmatched(pattern, paths)})")
 
 
 def with_blocks(tagged, overrides=None, *, damping_mode="pi",

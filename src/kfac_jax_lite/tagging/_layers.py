@@ -10,12 +10,12 @@ afterwards.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from typing import Any
 
 from kfac_jax_lite.tagging import _format as F
 from kfac_jax_lite.tagging import _kinds
 from kfac_jax_lite.tagging._kinds import FallbackSpec, LayerSpec, Unsupported
+from kfac_jax_lite.tagging import _paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,9 +165,15 @@ def _group(uses, leaf_shapes, n_examples, batch_n=None):
 
 def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude,
                  penalties=(), row_steps=None, batch_n=None):
-  """All layers of the model: ``(layers, excluded_paths)``."""
+  """All layers of the model: ``(layers, excluded_paths)``. A pattern of
+  ``exclude`` that matches no parameter path is a ``ValueError`` naming
+  the nearest paths (it would exclude nothing)."""
+  for e in exclude:
+    if not any(_paths.matches(e, p) for p in paths):
+      raise ValueError(f"exclude= pattern {e!r} matches no parameter path "
+                       f"({_paths.unmatched(e, paths)})")
   excluded = {k for k, p in enumerate(paths) if any(
-      p == e or fnmatch.fnmatchcase(p, e) for e in exclude)}
+      _paths.matches(e, p) for e in exclude)}
   reasons = {}
   for o in opaque:
     reasons.setdefault(o.leaf, []).append(o.reason)

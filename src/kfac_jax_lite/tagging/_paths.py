@@ -1,8 +1,13 @@
 """The names of pytree paths: a parameter leaf's (a layer's name) and a
 batch leaf's, the same whether or not the arrays sit in framework wrappers
 (flax ``nnx.Variable``s: ``nnx.split(model, nnx.Param)`` gives a state of
-them, whose flattening adds a ``.value`` element to every path)."""
+them, whose flattening adds a ``.value`` element to every path), and the
+one matcher of the ``blocks=`` keys and ``exclude=`` patterns that name
+them."""
 from __future__ import annotations
+
+import difflib
+import fnmatch
 
 import jax
 
@@ -43,3 +48,23 @@ def named_leaves(tree) -> list:
     else:
       out.extend((path_name(path + p), leaf) for p, leaf in inner)
   return out
+
+
+def matches(pattern: str, path: str) -> bool:
+  """Whether ``pattern`` names ``path``: the path itself, or an ``fnmatch``
+  pattern matching all of it (case-sensitive; ``*`` crosses ``/``). A
+  prefix is no match: ``"l0"`` names no ``l0/w``, ``"l0/*"`` does."""
+  return path == pattern or fnmatch.fnmatchcase(path, pattern)
+
+
+def unmatched(pattern: str, paths) -> str:
+  """What to say of ``pattern`` matching none of ``paths``: the paths
+  nearest to it (those under it when it is a prefix, with the pattern that
+  takes them; else the five most alike, ``difflib``'s ratio)."""
+  stem = pattern.rstrip("/*")
+  under = [p for p in paths if p.startswith(stem + "/")]
+  near = under or difflib.get_close_matches(pattern, paths, 5, cutoff=0.0)
+  shown = ", ".join(near[:5]) + (", ..." if len(near) > 5 else "")
+  hint = (f"; to take the parameters under it use the pattern "
+          f"{stem + '/*'!r}" if under else "")
+  return f"the nearest of its {len(paths)} paths: {shown}{hint}"

@@ -477,7 +477,8 @@ def find_layers(loss_fn: Callable, params, batch, *, has_aux=False,
   """Trace ``loss_fn(params, batch)`` and find every layer.
 
   ``has_aux``: ``loss_fn`` returns ``(loss, aux)``; ``exclude``: parameter
-  paths (or ``fnmatch`` patterns) to leave out of the curvature;
+  paths (or ``fnmatch`` patterns, as ``blocks=`` keys) to leave out of the
+  curvature, one that matches no path a ``ValueError`` naming the nearest;
   ``example_axis``: which axis of the batch's leaves holds the examples,
   an int for every leaf with axes or a pytree of the batch's structure
   with an int or None (no examples) per leaf; None: the leading axis
