@@ -251,3 +251,15 @@ def test_kfac_hands_each_block_its_state_for_its_statistics():
   # (tx.init traces one statistics pass too: the first step's refusals.)
   assert seen and set(seen) == {
       jax.tree.structure(B.KroneckerDense((3, 2), has_bias=True).init())}
+
+
+def test_an_exclude_string_is_refused_naming_the_list():
+  """``exclude="l0/b"`` would be read one character a pattern: refused."""
+  params = {"l0": {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}}
+  batch = (jnp.ones((4, 3)), jnp.zeros(4, jnp.int32))
+
+  def loss(p, b):
+    out = b[0] @ p["l0"]["w"] + p["l0"]["b"]
+    return kfl.softmax_cross_entropy_with_integer_labels(out, b[1]).mean()
+  with pytest.raises(TypeError, match=r"exclude=\['l0/b'\]"):
+    kfl.describe(loss, params, batch, exclude="l0/b")

@@ -157,9 +157,9 @@ from kfac_jax_lite.tagging._layers import Layer
 from kfac_jax_lite.tagging._loss_tags import LossTag, find_loss_tags
 from kfac_jax_lite.tagging._tagged import (
     TaggedLoss, batch_size, find_layers, path_name)
-from kfac_jax_lite.tagging._paths import is_wrapper
 from kfac_jax_lite.tagging._vma import tree_vma as varying_axes
 # For the layers above (estimation, the optimizers); not in ``__all__``.
+from kfac_jax_lite.tagging._paths import is_wrapper as is_wrapper
 from kfac_jax_lite.tagging._examples import (
     resolve as resolve_example_axis)
 from kfac_jax_lite.tagging._losses import output_layers as output_layers
@@ -187,4 +187,4 @@ def make_blocks(layers, overrides=None, *, damping_mode="pi",
 
 
 __all__ = ["Layer", "LossTag", "TaggedLoss", "batch_size", "find_layers", "find_loss_tags", "make_blocks",
-           "is_wrapper", "path_name", "varying_axes"]
+           "path_name", "varying_axes"]

@@ -167,7 +167,12 @@ def build_layers(uses, opaque, paths, leaf_shapes, n_examples, exclude,
                  penalties=(), row_steps=None, batch_n=None):
   """All layers of the model: ``(layers, excluded_paths)``. A pattern of
   ``exclude`` that matches no parameter path is a ``ValueError`` naming
-  the nearest paths (it would exclude nothing)."""
+  the nearest paths (it would exclude nothing); a bare string, which would
+  be read one character a pattern, is a ``TypeError``."""
+  if isinstance(exclude, str):
+    raise TypeError(f"exclude= takes a sequence of paths or patterns, got the "
+                    f"string {exclude!r}: write exclude=[{exclude!r}]")
+  exclude = tuple(exclude)
   for e in exclude:
     if not any(_paths.matches(e, p) for p in paths):
       raise ValueError(f"exclude= pattern {e!r} matches no parameter path "

@@ -133,7 +133,7 @@ class TaggedLoss:
           self._row_steps[u.uid] = steps
     self.layers, self.excluded = _layers.build_layers(
         tr.uses, tr.opaque, self.paths, self.leaf_shapes, n,
-        tuple(exclude), tr.penalties, self._row_steps, self.examples.size)
+        exclude, tr.penalties, self._row_steps, self.examples.size)
     self.losses = tuple(tr.losses)
     #: The loss's terms no loss was recognised in (``describe``'s notes).
     self.unrecognised = tuple(tr.unrecognised)
