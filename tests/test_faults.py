@@ -272,8 +272,10 @@ def test_a_blow_up_is_flagged_within_a_few_steps_without_loss(style):
   """Gradient ascent at a large rate: the loss rises from ~1.1 to far
   above 3x within 20 steps; health says LOSS ROSE long before the 100
   losses the stall test needs."""
-  tx = optax.chain(kfl.kfac(loss_fn, BATCH, norm_constraint=None),
-                   optax.sgd(-3.0))
+  # Statistics every step: with batch= and no loss=, health sees the loss
+  # of the statistics passes only (every cov_every steps of the plan).
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH, norm_constraint=None,
+                            cov_every=1), optax.sgd(-3.0))
   params, state = PARAMS, tx.init(PARAMS)
   for t in range(20):
     if style == "onepass":

@@ -43,6 +43,9 @@ def _problem():
 def _run(lr, steps=STEPS, use_stats=False, pass_loss=True, **kfac_kw):
   """``steps`` of kfac + sgd(lr), ``batch=`` or ``stats=`` (+ ``loss=``)."""
   params, loss, batch = _problem()
+  # Statistics every step: with batch= and no loss=, health sees the loss
+  # of the statistics passes only (every cov_every steps of the plan).
+  kfac_kw.setdefault("cov_every", 1)
   tx = optax.chain(kfl.kfac(loss, batch, **kfac_kw), optax.sgd(lr))
   est_fn = kfl.value_grad_and_stats(loss, params, batch)
 

@@ -236,3 +236,29 @@ def test_ema_horizon_in_examples_is_kept_under_sparser_statistics():
         _effective_examples(every, m), rtol=1e-12)
     # And the weights are the same EMA's, update for update.
     np.testing.assert_allclose(sparse[::k][:n], every[:n], rtol=1e-12)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_health_sees_every_loss_of_the_planned_one_pass_step(fraction):
+  """The README's step with ``with_stats=kfl.stats_due(state)`` and no
+  ``loss=``: the estimate's run entry carries the whole batch's loss also on
+  the steps without statistics (not their zeros, not the share's loss)."""
+  params, batch = _mlp()
+  tx = kfl.kfac(_mlp_loss, batch, budget=2.5, stats_fraction=fraction)
+  est_fn = kfl.value_grad_and_stats(_mlp_loss, params, batch,
+                                    stats_fraction=fraction)
+
+  @jax.jit
+  def step(state, key):
+    est = est_fn(params, batch, key, with_stats=kfl.stats_due(state))
+    return tx.update(est.grads, state, params, stats=est.stats)[1]
+
+  state = tx.init(params)
+  for i in range(6):
+    state = step(state, jax.random.PRNGKey(i))
+  h = kfl.health(state)
+  assert h.num_losses == 6
+  # The parameters do not move here: every loss seen is the batch's.
+  loss = float(_mlp_loss(params, batch))
+  assert h.loss_first == pytest.approx(loss, rel=1e-5)
+  assert h.loss_recent == pytest.approx(loss, rel=1e-5)

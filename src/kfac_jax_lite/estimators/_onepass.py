@@ -36,7 +36,7 @@ from kfac_jax_lite import tagging
 from kfac_jax_lite.estimators import _devices
 from kfac_jax_lite.estimators._checks import (
     check_estimation, check_example_axis, check_has_loss)
-from kfac_jax_lite.estimators._estimate import Estimate, estimate
+from kfac_jax_lite.estimators._estimate import RUN_ENTRY, Estimate, estimate
 from kfac_jax_lite.estimators._fraction import (
     check_stats_fraction, stats_batch_size, stats_slice)
 
@@ -181,7 +181,7 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
       shapes = jax.eval_shape(lambda: part()[3:])
       stats, weights = jax.lax.cond(flag, lambda: part()[3:], lambda: jax.tree.map(
           lambda s: jnp.zeros(s.shape, s.dtype), shapes))
-    return Estimate(loss, aux, grads, stats, weights)
+    return Estimate(loss, aux, grads, _run_loss(stats, loss), weights)
 
   def plain(params, batch):
     out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
@@ -192,7 +192,8 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
     shapes = jax.eval_shape(with_statistics, params, batch, key, states)
     loss, aux, grads = plain(params, batch)
     zeros = lambda s: jnp.zeros(s.shape, s.dtype)
-    return Estimate(loss, aux, grads, jax.tree.map(zeros, shapes.stats),
+    return Estimate(loss, aux, grads,
+                    _run_loss(jax.tree.map(zeros, shapes.stats), loss),
                     zeros(shapes.weights))
 
   def one_device(params, batch, key, states, flag):
@@ -217,3 +218,14 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
 
   fn.tagged = tagged
   return fn
+
+
+def _run_loss(stats, loss):
+  """``stats`` whose run entry (``RUN_ENTRY``: what ``kfl.kfac`` and
+  ``kfl.health`` read for the loss when no ``loss=`` is given) holds the
+  whole batch's ``loss``, also on a step without statistics (whose zeros
+  would read as a loss of 0) and with a statistics share (whose pass sees
+  the first examples only)."""
+  run = dict(stats[RUN_ENTRY])
+  run["loss"] = jnp.asarray(loss, run["loss"].dtype)
+  return {**stats, RUN_ENTRY: run}
