@@ -188,6 +188,53 @@ def test_nnx_optimizer_as_documented():
   assert sorted(kstate.blocks) == ["l1/kernel", "l2/kernel"]
 
 
+def test_nnx_optimizer_one_pass_step():
+  """The README's one-pass step in nnx.Optimizer's loop (issue 48, point
+  2): the estimate given ``nnx.state(model, nnx.Param)`` returns its
+  gradients as ``nnx.Param``s, which ``optimizer.update`` keeps; given
+  ``nnx.as_pure(...)`` its plain gradients would be dropped by the
+  optimizer's ``wrt`` filter, which K-FAC refuses naming the fix."""
+  from flax import nnx
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(5, 8, rngs=rngs)
+      self.l2 = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(jnp.tanh(self.l1(x)))
+
+  model = MLP(nnx.Rngs(0))
+  graphdef, _ = nnx.split(model)
+
+  def loss_fn(params, batch):
+    x, y = batch
+    return optax.softmax_cross_entropy_with_integer_labels(
+        nnx.merge(graphdef, params)(x), y).mean()
+
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH), optax.sgd(0.1, momentum=0.9))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  est_fn = kfl.value_grad_and_stats(loss_fn, nnx.state(model, nnx.Param),
+                                    BATCH)
+
+  @nnx.jit
+  def train_step(model, optimizer, batch, key):
+    est = est_fn(nnx.state(model, nnx.Param), batch, key,
+                 with_stats=kfl.stats_due(optimizer.opt_state))
+    optimizer.update(model, est.grads, stats=est.stats, loss=est.loss)
+    return est.loss
+
+  losses = [float(train_step(model, optimizer, BATCH, jax.random.PRNGKey(i)))
+            for i in range(STEPS)]
+  _falls(losses)
+  assert kfl.health(optimizer.opt_state).num_losses == STEPS
+  pure = nnx.as_pure(nnx.state(model, nnx.Param))
+  pure_fn = kfl.value_grad_and_stats(loss_fn, pure, BATCH)
+  est = pure_fn(pure, BATCH, jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match=r"nnx\.state\(model, nnx\.Param\)"):
+    optimizer.update(model, est.grads, stats=est.stats)
+
+
 def _nnx_split_with_batchnorm():
   """nnx's functional pattern: ``nnx.split(model, nnx.Param,
   nnx.BatchStat)``, the BatchNorm statistics in the batch and returned as

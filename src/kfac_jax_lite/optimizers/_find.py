@@ -32,6 +32,27 @@ def unwrap(tree):
                       is_leaf=is_wrapper)
 
 
+def unwrap_update(params, updates, where: str):
+  """``(params, updates)`` unwrapped (``unwrap``), checked to have one
+  structure: a gradient tree that does not match the parameters is a
+  ``ValueError`` naming ``where`` and the usual cause, ``nnx.Optimizer(...,
+  wrt=nnx.Param)`` keeping only the gradients wrapped as ``nnx.Param``
+  (plain arrays, e.g. of an estimate given ``nnx.as_pure(...)``, are
+  dropped before the transform sees them)."""
+  params, updates = unwrap(params), unwrap(updates)
+  if params is not None and (jax.tree.structure(params)
+                             != jax.tree.structure(updates)):
+    n, m = len(jax.tree.leaves(updates)), len(jax.tree.leaves(params))
+    raise ValueError(
+        f"{where}: the gradients ({n} leaves) do not have the parameters' "
+        f"structure ({m} leaves). Under nnx.Optimizer(model, tx, "
+        "wrt=nnx.Param) only gradients wrapped as nnx.Param reach the "
+        "transform: give kfl.value_grad_and_stats nnx.state(model, "
+        "nnx.Param) (not nnx.as_pure(...)), so that est.grads keep the "
+        "wrappers, or pass gradients of the params' structure")
+  return params, updates
+
+
 def rewrap(like, tree):
   """``tree``, the unwrapped form of a tree shaped as ``like``, in
   ``like``'s wrappers (``unwrap``'s inverse: an update computed on the

@@ -411,7 +411,7 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
   in (the first step only starts them)."""
   del extra_args
   grads = updates  # Their structure (flax wrappers included) comes back.
-  params, updates = _find.unwrap(params), _find.unwrap(updates)
+  params, updates = _find.unwrap_update(params, updates, "kfl.eigen_adam")
   batch, stats, loss = _pending.resolve(state, batch, stats, loss)
   stats, run = estimators.split_run(estimators.device_mean(stats))
   if loss is None and run is not None:

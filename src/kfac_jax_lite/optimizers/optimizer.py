@@ -391,7 +391,8 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
   if params is None:
     raise ValueError("kfac_optimizer.update needs params and batch=")
   grads = updates  # Their structure (flax wrappers included) comes back.
-  params, updates = _find.unwrap(params), _find.unwrap(updates)
+  params, updates = _find.unwrap_update(params, updates,
+                                           "kfl.kfac_optimizer")
   batch, stats, loss = _pending.resolve(state, batch, stats, loss)
   if batch is None:
     raise ValueError(_pending.missing(

@@ -388,7 +388,7 @@ def _update(cfg: _Kfac, updates, state, params=None, *, batch=None,
     raise ValueError("kfac needs params: call tx.update(grads, state, params, "
                      "batch=batch)")
   grads = updates  # Their structure (flax wrappers included) comes back.
-  params, updates = _find.unwrap(params), _find.unwrap(updates)
+  params, updates = _find.unwrap_update(params, updates, "kfl.kfac")
   batch, stats, loss = _pending.resolve(state, batch, stats, loss)
   if stats is None and batch is None:
     raise ValueError(_pending.missing("kfac.update"))
