@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kfac_jax_lite as kfl
-from _helpers import (assert_rounding_close, flat, kron_cond_bound,
+from _helpers import (assert_rounding_close, block_stats, flat, kron_cond_bound,
                       x64_mode)
 
 SIZES = (5, 7, 4)
@@ -81,8 +81,11 @@ def test_stats_fraction_one_pass_equals_batch_path(x64, estimation):
     sliced = jax.tree.map(lambda x: x[:3], batch)
     alone = jax.jit(kfl.value_grad_and_stats(
         plain_loss, params, sliced, estimation=estimation))(params, sliced, key)
-    for s, want in zip(jax.tree.leaves(est.stats), jax.tree.leaves(alone.stats)):
+    for s, want in zip(jax.tree.leaves(block_stats(est.stats)),
+                       jax.tree.leaves(block_stats(alone.stats))):
       close(s, want)
+    # The run entry (health's loss without loss=) is the whole batch's.
+    close(est.stats["~run"]["loss"], loss)
     full = jax.jit(kfl.value_grad_and_stats(
         plain_loss, params, batch, estimation=estimation))(params, batch, key)
     assert not np.allclose(flat(est.stats), flat(full.stats), rtol=1e-3)
@@ -152,11 +155,13 @@ def test_stats_fraction_keeps_a_dropout_key_in_the_batch():
     alone = jax.jit(kfl.value_grad_and_stats(
         dropout_loss, params, half))(params, half, key)
     assert est.weights.shape == (N // 2,)
-    for s, want in zip(jax.tree.leaves(est.stats), jax.tree.leaves(alone.stats)):
+    for s, want in zip(jax.tree.leaves(block_stats(est.stats)),
+                       jax.tree.leaves(block_stats(alone.stats))):
       np.testing.assert_allclose(s, want, rtol=1e-12, atol=1e-15)
     # The loss and gradient are the whole batch's, with the key.
     loss, grads = jax.value_and_grad(dropout_loss)(params, batch)
     np.testing.assert_allclose(est.loss, loss, rtol=1e-12)
+    np.testing.assert_allclose(est.stats["~run"]["loss"], loss, rtol=1e-12)
 
     tx = kfl.kfac(dropout_loss, batch, stats_fraction=0.5, seed=5)
     tx_half = kfl.kfac(dropout_loss, half, seed=5)
@@ -184,7 +189,8 @@ def test_update_has_one_conditional_for_all_refreshes():
   caches); ``cov_every > 1`` adds the one of the statistics."""
   params, batch = init_params(), make_batch()
   deeper = init_params() + [{"w": jnp.eye(SIZES[-1]), "b": jnp.zeros(SIZES[-1])}]
-  assert _conditionals(kfl.kfac(plain_loss, batch), params, batch) == 1
-  assert _conditionals(kfl.kfac(plain_loss, batch), deeper, batch) == 1
+  every = kfl.kfac(plain_loss, batch, cov_every=1)
+  assert _conditionals(every, params, batch) == 1
+  assert _conditionals(every, deeper, batch) == 1
   assert _conditionals(kfl.kfac(plain_loss, batch, cov_every=2),
                        params, batch) == 2

@@ -85,6 +85,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from kfac_jax_lite import blocks as B
 from kfac_jax_lite import estimators
 from kfac_jax_lite import tagging
 from kfac_jax_lite.factor import all_finite, float_dtype
@@ -460,7 +461,9 @@ def _run(cfg: _Kfac, updates, state, params, *, batch, stats, damping, loss,
               else jnp.isfinite(mean(jnp.asarray(loss, dtype))))
   targets_ok = (jnp.ones((), bool) if run is None else
                 mean(jnp.asarray(run["bad_targets"], dtype)) == 0)
-  due = state.count % c.cov_every == 0
+  # The state's flag (``kfl.stats_due``): every ``cov_every`` updates, and
+  # on every update while a block is not ready (``_stats_due``).
+  due = state.stats_due > 0
   leaves, treedef = jax.tree.flatten(updates)  # The gradients.
   out, states, (pass_loss, pass_ok) = _curvature(
       cfg, tagged, state, params, leaves, batch=batch, stats=stats,
@@ -481,11 +484,25 @@ def _run(cfg: _Kfac, updates, state, params, *, batch, stats, damping, loss,
                                    damping_ok & given_ok & targets_ok, scale)
   new_state = state._replace(
       count=state.count + 1, key=key, blocks=states,
-      stats_due=((state.count + 1) % c.cov_every == 0).astype(jnp.int32),
+      stats_due=_stats_due(tagged.layers, states, state.count + 1,
+                           c.cov_every),
       **_health_state.counted(state, params, grads_ok, update_ok,
                               damping_ok, scale < 1, seen, dtype,
                               (given_ok, targets_ok)))
   return jax.tree.unflatten(treedef, out), new_state
+
+
+def _stats_due(layers, states, count, cov_every):
+  """Whether update ``count`` takes statistics (int32 0/1): every
+  ``cov_every`` updates, and while a block is not ready (no decomposition of
+  real statistics yet: a first batch that was skipped, say), so that a
+  planned interval never leaves a block unpreconditioned for ``cov_every``
+  steps. In the sharded layout the interval alone."""
+  due = count % cov_every == 0
+  if not isinstance(states, sharding.ShardedBlocks):
+    for l in layers:
+      due = due | ~jnp.all(B.as_block(l.block).is_ready(states[l.name]))
+  return due.astype(jnp.int32)
 
 
 def _curvature(cfg: _Kfac, tagged, state, params, leaves, *, batch, stats,
