@@ -172,8 +172,11 @@ def _scatter_statistics(layers, layout, compute_stats, stats_due,
   if stats_due is None:
     rows, loss = scattered()
   else:
-    zeros = lambda: (tuple(jnp.zeros((n,), t) for t, n in stats_p.lengths),
-                     jnp.zeros((), dtype))
+    # Zeros of the scattered rows' types, their varying mesh axes included
+    # (inside shard_map(check_vma=True) the branches' types must agree).
+    zeros = lambda: jax.tree.map(
+        lambda s: tagging.varying_zeros(s.shape, s.dtype, s),
+        jax.eval_shape(scattered))
     rows, loss = jax.lax.cond(stats_due, scattered, zeros)
   return _Stats(stats_p, stats_defs, shapes, halves, rows, loss)
 

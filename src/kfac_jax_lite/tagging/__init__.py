@@ -164,6 +164,7 @@ from kfac_jax_lite.tagging._examples import (
     resolve as resolve_example_axis)
 from kfac_jax_lite.tagging._losses import output_layers as output_layers
 from kfac_jax_lite.tagging._vma import abstract as abstract_value
+from kfac_jax_lite.tagging._vma import zeros as varying_zeros
 
 
 
