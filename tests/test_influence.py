@@ -43,21 +43,23 @@ def setup(dtype):
   return jax.tree.map(cast, params), (cast(x), jnp.asarray(y))
 
 
-def flat_grads(params, x, y):
-  """``[N, P]`` per-example gradients, layer by layer ``[W; b]`` row-major
-  (the blocks' ``[a, b]`` layout, flattened)."""
-  g = jax.vmap(jax.grad(example_loss), (None, 0, 0))(params, x, y)
+def flat_grads(params, x, *rest, per_example=example_loss):
+  """``[N, P]`` per-example gradients of ``per_example(params, x_n,
+  *rest_n)``, layer by layer ``[W; b]`` row-major (the blocks' ``[a, b]``
+  layout, flattened)."""
+  g = jax.vmap(jax.grad(per_example),
+               (None, 0) + (0,) * len(rest))(params, x, *rest)
   n = x.shape[0]
   return jnp.concatenate([
       jnp.concatenate([g["w1"], g["b1"][:, None]], 1).reshape(n, -1),
       jnp.concatenate([g["w2"], g["b2"][:, None]], 1).reshape(n, -1)], 1)
 
 
-def dense_curvature(params, x, y, strategy):
+def dense_curvature(params, x, y, strategy, *rest, per_example=example_loss):
   """The strategy's block-diagonal ``Ĝ``, formed from dense per-example
   gradients (and, for the Kronecker ones, from their layer inputs and
   output cotangents computed by hand)."""
-  grads = flat_grads(params, x, y)
+  grads = flat_grads(params, x, y, *rest, per_example=per_example)
   n = x.shape[0]
   h = jnp.tanh(x @ params["w1"] + params["b1"])
   ones = jnp.ones((n, 1), x.dtype)
