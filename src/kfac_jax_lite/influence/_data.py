@@ -106,10 +106,18 @@ def _per_example(c_elem, n, axis):
 def mean_weight(c_elems):
   """``c̄``: the mean of the positive element weights ``c_e`` over every
   registered loss's elements (1 when none is positive), the unit of the
-  per-example losses (module docstring)."""
-  total = sum(jnp.sum(jnp.where(c > 0, c, 0)) for c in c_elems)
+  per-example losses (module docstring).
+
+  Computed as ``c_max · mean(c_e / c_max)``, so that when the positive
+  weights are equal (a mean, a sum, a binary mask) ``c̄`` is exactly that
+  weight: a mean over one element per example scores the same floats as
+  ``1/c_i`` did.
+  """
+  top = max(jnp.max(c, initial=0) for c in c_elems)
+  ref = jnp.where(top > 0, top, 1)
+  total = sum(jnp.sum(jnp.where(c > 0, c / ref, 0)) for c in c_elems)
   count = sum(jnp.sum(c > 0) for c in c_elems)
-  return jnp.where(count > 0, total / jnp.maximum(count, 1), 1)
+  return jnp.where(count > 0, ref * (total / jnp.maximum(count, 1)), 1)
 
 
 def _sampled_cotangents(tagged, caps, c_elems, cbar, key):
