@@ -43,8 +43,9 @@ Conventions and the options that match them (also in the
 ==========================  ==============================  ==============================
 convention                  kronfluence                     kfl.influence
 ==========================  ==============================  ==============================
-per-example loss            ``compute_train_loss`` summed    any reduction; ``ℓ_t`` read
-                            over the batch                  from it (the same ``ℓ_t``)
+per-example loss            ``compute_train_loss`` summed    any reduction; ``ℓ_t`` the
+                            over the batch                  example's summed elements
+                                                            (the same ``ℓ_t``)
 A, G                        means over N·R positions        the same
 EK-FAC eigenvalues          mean over N examples            the same
 Fisher                      sampled (default) /             ``estimation="fisher"`` /

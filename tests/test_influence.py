@@ -43,21 +43,23 @@ def setup(dtype):
   return jax.tree.map(cast, params), (cast(x), jnp.asarray(y))
 
 
-def flat_grads(params, x, y):
-  """``[N, P]`` per-example gradients, layer by layer ``[W; b]`` row-major
-  (the blocks' ``[a, b]`` layout, flattened)."""
-  g = jax.vmap(jax.grad(example_loss), (None, 0, 0))(params, x, y)
+def flat_grads(params, x, *rest, per_example=example_loss):
+  """``[N, P]`` per-example gradients of ``per_example(params, x_n,
+  *rest_n)``, layer by layer ``[W; b]`` row-major (the blocks' ``[a, b]``
+  layout, flattened)."""
+  g = jax.vmap(jax.grad(per_example),
+               (None, 0) + (0,) * len(rest))(params, x, *rest)
   n = x.shape[0]
   return jnp.concatenate([
       jnp.concatenate([g["w1"], g["b1"][:, None]], 1).reshape(n, -1),
       jnp.concatenate([g["w2"], g["b2"][:, None]], 1).reshape(n, -1)], 1)
 
 
-def dense_curvature(params, x, y, strategy):
+def dense_curvature(params, x, y, strategy, *rest, per_example=example_loss):
   """The strategy's block-diagonal ``Ĝ``, formed from dense per-example
   gradients (and, for the Kronecker ones, from their layer inputs and
   output cotangents computed by hand)."""
-  grads = flat_grads(params, x, y)
+  grads = flat_grads(params, x, y, *rest, per_example=per_example)
   n = x.shape[0]
   h = jnp.tanh(x @ params["w1"] + params["b1"])
   ones = jnp.ones((n, 1), x.dtype)
@@ -291,6 +293,167 @@ def test_float32_matches_float64_within_rounding():
   tol = 50 * np.finfo(np.float32).eps * kappa
   np.testing.assert_allclose(got, want, rtol=tol)
   assert np.max(np.abs(got / want - 1)) > 0  # really float32 arithmetic
+
+
+# ---------------------------------------------- each example's loss ℓ_i
+#
+# The loss as written, per reduction, and the per-example loss ℓ_i that
+# kfl.influence scores, written out by hand for one example: the sum of
+# its (unmasked) loss elements (issue 48.9). Batches are (x, targets[,
+# mask]); T tokens per example for the per-token losses.
+T = 4
+
+
+def _se(params, x, t):
+  return (mlp(params, x) - t) ** 2
+
+
+def _ce(params, x, y):
+  return -jnp.take_along_axis(jax.nn.log_softmax(mlp(params, x)),
+                              y[..., None], -1)[..., 0]
+
+
+REDUCTIONS = {
+    # name: (loss as written over a batch, ℓ_i of one example by hand)
+    "se_sum_then_mean": (
+        lambda p, b: kfl.squared_error(mlp(p, b[0]), b[1]).sum(-1).mean(),
+        lambda p, x, t: jnp.sum(_se(p, x, t))),
+    "se_sum": (
+        lambda p, b: jnp.sum(kfl.squared_error(mlp(p, b[0]), b[1])),
+        lambda p, x, t: jnp.sum(_se(p, x, t))),
+    "se_mean": (  # a mean over all N·C elements: still each example's sum
+        lambda p, b: jnp.mean(kfl.squared_error(mlp(p, b[0]), b[1])),
+        lambda p, x, t: jnp.sum(_se(p, x, t))),
+    "ce_mean": (loss_fn, _ce),
+    "se_masked_outputs": (
+        lambda p, b: jnp.sum(kfl.squared_error(mlp(p, b[0]), b[1]) * b[2])
+        / jnp.sum(b[2]),
+        lambda p, x, t, m: jnp.sum(_se(p, x, t) * m)),
+    "ce_masked_tokens": (
+        lambda p, b: jnp.sum(kfl.softmax_cross_entropy_with_integer_labels(
+            mlp(p, b[0]), b[1]) * b[2]) / jnp.sum(b[2]),
+        lambda p, x, y, m: jnp.sum(_ce(p, x, y) * m)),
+}
+
+
+def reduction_batch(name, dtype, n=N):
+  """The batch of ``REDUCTIONS[name]``: examples with 0 to C outputs (or
+  0 to T tokens) left unmasked for the masked ones."""
+  rng = np.random.default_rng(5)
+  count = np.arange(n)
+  if name == "ce_masked_tokens":
+    x = rng.normal(size=(n, T, D))
+    y = rng.integers(0, C, size=(n, T))
+    m = (np.arange(T) < (count % (T + 1))[:, None])
+    return (jnp.asarray(x, dtype), jnp.asarray(y), jnp.asarray(m, dtype))
+  x = rng.normal(size=(n, D))
+  if name == "ce_mean":
+    return jnp.asarray(x, dtype), jnp.asarray(rng.integers(0, C, size=n))
+  t = rng.normal(size=(n, C))
+  batch = (jnp.asarray(x, dtype), jnp.asarray(t, dtype))
+  if name == "se_masked_outputs":
+    m = np.arange(C) < (count % (C + 1))[:, None]
+    batch += (jnp.asarray(m, dtype),)
+  return batch
+
+
+@pytest.mark.parametrize("name", list(REDUCTIONS))
+def test_identity_scores_are_products_of_each_examples_own_loss_gradients(
+    name):
+  # ℓ_i is example i's summed loss elements whatever the reduction (a sum
+  # over outputs stays a sum, a masked mean counts the example's unmasked
+  # elements): identity scores are inner products of brute-force
+  # per-example gradients of that loss (float64). Before issue 48.9 they
+  # were gradients of each example's mean element: 1/9 for C = 3 outputs.
+  loss, one = REDUCTIONS[name]
+  with x64_mode(True):
+    params, _ = setup(jnp.float64)
+    batch = reduction_batch(name, jnp.float64)
+    grads = np.asarray(flat_grads(params, *batch, per_example=one))
+    state = kfl.influence.fit(loss, params, [batch], strategy="identity",
+                              progress=False)
+    queries = jax.tree.map(lambda a: a[:3], batch)
+    got = kfl.influence.pairwise_scores(state, params, queries, [batch],
+                                        progress=False)
+    self_got = kfl.influence.self_scores(state, params, [batch],
+                                         progress=False)
+  assert self_got.dtype == jnp.float64
+  scale = np.max(np.sum(grads ** 2, 1))
+  np.testing.assert_allclose(got, grads[:3] @ grads.T, rtol=1e-10,
+                             atol=1e-13 * scale)
+  np.testing.assert_allclose(self_got, np.sum(grads ** 2, 1), rtol=1e-10,
+                             atol=1e-13 * scale)
+
+
+@functools.lru_cache(maxsize=None)
+def fitted_reduction(name, strategy):
+  with x64_mode(True):
+    params, _ = setup(jnp.float64)
+    batch = reduction_batch(name, jnp.float64)
+    state = kfl.influence.fit(REDUCTIONS[name][0], params, [batch],
+                              strategy=strategy, estimation="empirical",
+                              progress=False)
+    return params, batch, state
+
+
+@pytest.mark.parametrize("strategy", ["kfac", "ekfac"])
+@pytest.mark.parametrize("name", ["se_sum", "se_masked_outputs"])
+def test_kronecker_scores_of_each_examples_own_loss_equal_dense_solve(
+    name, strategy):
+  # The curvature and the scores of ℓ_i = the example's summed (unmasked)
+  # loss, against the dense solve of test_pairwise_and_self_scores_...:
+  # at an absolute damping (where the scale of ℓ_i shows: issue 48.9 saw
+  # relative errors of 0.42 against kronfluence's) and at the default
+  # (where unequal numbers of unmasked elements changed the ranking).
+  with x64_mode(True):
+    params, batch, state = fitted_reduction(name, strategy)
+    grads, blocks = dense_curvature(params, batch[0], batch[1], strategy,
+                                    *batch[2:],
+                                    per_example=REDUCTIONS[name][1])
+    queries = jax.tree.map(lambda a: a[:4], batch)
+    for damping in (1e-3, None):
+      want = dense_scores(grads[:4], grads, blocks, damping, strategy)
+      got = kfl.influence.pairwise_scores(state, params, queries, [batch],
+                                          damping=damping, progress=False)
+      np.testing.assert_allclose(got, want, rtol=1e-9,
+                                 atol=1e-12 * np.abs(want).max())
+      self_want = jnp.diag(dense_scores(grads, grads, blocks, damping,
+                                        strategy))
+      self_got = kfl.influence.self_scores(state, params, [batch],
+                                           damping=damping, progress=False)
+      np.testing.assert_allclose(self_got, self_want, rtol=1e-9,
+                                 atol=1e-12 * np.abs(self_want).max())
+
+
+def test_masked_token_identity_scores_float32_within_rounding():
+  # float32 on float32-representable data against float64 brute force of
+  # the same ℓ_i (the masked tokens' summed cross-entropy). Tolerance
+  # (``rounding_tol``): a self-score sums P squared gradient entries, each
+  # a sum over the T tokens of products from 4 chained reductions (two
+  # forward layers, the backward pass, the sum): P·T terms, depth 4;
+  # pairwise scores are bounded by the largest self-score (Cauchy-Schwarz).
+  loss, one = REDUCTIONS["ce_masked_tokens"]
+  batch32 = reduction_batch("ce_masked_tokens", jnp.float32)
+  params32, _ = setup(jnp.float32)
+  with x64_mode(True):
+    up = lambda a: jnp.asarray(np.asarray(a), jnp.float64) if jnp.issubdtype(
+        a.dtype, jnp.floating) else jnp.asarray(np.asarray(a))
+    grads = np.asarray(flat_grads(jax.tree.map(up, params32),
+                                  *jax.tree.map(up, batch32),
+                                  per_example=one))
+  state = kfl.influence.fit(loss, params32, [batch32], strategy="identity",
+                            progress=False)
+  queries = jax.tree.map(lambda a: a[:3], batch32)
+  got_self = kfl.influence.self_scores(state, params32, [batch32],
+                                       progress=False)
+  got_pair = kfl.influence.pairwise_scores(state, params32, queries,
+                                           [batch32], progress=False)
+  assert got_self.dtype == jnp.float32
+  want_self = np.sum(grads ** 2, 1)
+  terms = grads.shape[1] * T
+  assert_rounding_close(got_self, want_self, terms, depth=4)
+  assert_rounding_close(got_pair, grads[:3] @ grads.T, terms, depth=4,
+                        scale=want_self.max())
 
 
 def test_refusals():

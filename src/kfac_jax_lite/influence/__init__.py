@@ -20,9 +20,15 @@ Equinox or plain JAX, no annotations); dense and conv layers are scored.
 The conventions, and how they meet kronfluence's (benchmarks/
 kronfluence_compare.py checks the agreement):
 
-* per-example loss ``ℓ_t``: the example's own loss, whatever the
-  reduction of ``loss_fn`` (mean, sum, masked); kronfluence asks for a
-  summed loss, whose terms are the same ``ℓ_t``;
+* per-example loss ``ℓ_t``: example ``t``'s share of the loss as written,
+  in units of the batch's mean element weight, ``ℓ_t = Σ_{e∈t} (c_e/c̄)
+  ℓ_e`` (``_data``; ``L = Σ_e c_e ℓ_e`` as in ``kfl.estimators``): for a
+  mean, a sum, a sum over outputs then a mean over examples, a per-token
+  mean and a masked mean, the sum of the example's unmasked loss elements
+  (its outputs, its tokens; never divided by their number, as
+  ``kfl.laplace``'s ``ℓ_n``). kronfluence asks for a summed loss, whose
+  terms are the same ``ℓ_t``; scores, gradients and the curvature are
+  those of ``ℓ_t`` (``s(t) = |∇ℓ_t|²`` for ``"identity"``);
 * factors ``A`` and ``G`` are means over all ``N·R`` positions, as
   kronfluence's covariances; EK-FAC's eigenvalues a mean over the N
   examples of the squared rotated per-example gradients, as their lambda

@@ -16,21 +16,46 @@ layer-output probes (``kfl.tagging``): the ``N × P`` matrix of
 per-example gradients is never formed.
 
 Per-example loss. The loss of a batch is read as ``L = Σ_e c_e ℓ_e`` over
-its registered loss's elements (``kfl.estimators``), ``c_i = Σ_{e∈i} c_e``
-example ``i``'s weight, and example ``i``'s loss is
+its registered losses' elements (``kfl.estimators``: an element is one
+value of a loss's output, an example, an output unit, a token; ``c_e``
+from the backward pass), and example ``i``'s loss is its share ``L_i =
+Σ_{e∈i} c_e ℓ_e`` of ``L`` in units of the batch's mean element weight:
 
-    ℓ_i = Σ_{e∈i} (c_e / c_i) ℓ_e,
+    ℓ_i = Σ_{e∈i} (c_e / c̄) ℓ_e = L_i / c̄,
+    c̄ = the mean of the positive c_e over all the batch's elements,
 
-the loss of the example alone: for a mean over examples (``c_e = 1/N``),
-a sum, or a mean over tokens, ``ℓ_i`` is the example's own loss (its
-tokens' mean for a per-token mean). Its layer cotangents are the probes'
-cotangents of ``L`` divided by ``c_i``.
+so ``L = c̄ Σ_i ℓ_i``. For every mean, sum and binary-masked mean ``ℓ_i``
+is the sum of example ``i``'s unmasked loss elements (``se =
+kfl.squared_error(outputs, targets)`` of shape ``[N, C]``, ``ce`` a
+cross-entropy per example):
+
+* ``jnp.mean(ce)`` (one element per example): its cross-entropy;
+* ``jnp.sum(se)`` and ``se.sum(-1).mean()`` over ``C`` outputs: its
+  squared error summed over its ``C`` outputs (a sum stays a sum);
+* ``jnp.mean(se)`` over all ``N·C`` elements, a per-token mean over
+  ``N·T`` tokens: the sum over its ``C`` outputs (``T`` tokens), ``C``
+  (``T``) times its mean;
+* a masked mean ``Σ_e m_e ℓ_e / Σ_e m_e``: ``Σ_{e∈i} m_e ℓ_e``, the sum
+  over its unmasked tokens (an example with none has ``ℓ_i = 0``).
+
+That is kronfluence's per-example loss, whose ``compute_train_loss`` is a
+sum (``c_e = 1``, ``c̄ = 1``: ``ℓ_i = L_i``), and ``kfl.laplace``'s
+``ℓ_n``. Within a batch ``ℓ_i`` is proportional to what example ``i``
+contributes to ``L``; the unit ``c̄`` makes it independent of the batch
+(its size, its masks), so that examples scored in different batches, and
+queries, share one scale. (The weights ``c_e`` alone cannot tell a mean
+over an example's outputs from a sum over them: ``jnp.sum(se)``,
+``se.sum(-1).mean()`` and ``jnp.mean(se)`` have proportional ``c_e``,
+so all three score the sum.) Elements weighted unequally (a weighted
+mean) keep their relative weights, in units of the batch's mean positive
+weight. The layer cotangents of ``ℓ_i`` are the probes' cotangents of
+``L`` divided by ``c̄``.
 
 Estimations (``"empirical"`` the data's targets, ``"fisher"`` targets
 drawn once per example from the model's predictive distribution; the
 curvature of the fit, never the gradients being scored, which always use
 the data's targets). For ``"fisher"`` the cotangent put on the model
-outputs of element ``e`` is ``(c_e / c_i) ∇_o ℓ(o_e, t̃_e)``: the gradient
+outputs of element ``e`` is ``(c_e / c̄) ∇_o ℓ(o_e, t̃_e)``: the gradient
 of ``ℓ_i`` with the sampled targets.
 """
 from __future__ import annotations
@@ -78,12 +103,25 @@ def _per_example(c_elem, n, axis):
   return jnp.moveaxis(c_elem, axis, 0).reshape(n, -1).sum(-1)
 
 
-def _along(v, axis, ndim):
-  return v.reshape((1,) * axis + (-1,) + (1,) * (ndim - axis - 1))
+def mean_weight(c_elems):
+  """``c̄``: the mean of the positive element weights ``c_e`` over every
+  registered loss's elements (1 when none is positive), the unit of the
+  per-example losses (module docstring).
+
+  Computed as ``c_max · mean(c_e / c_max)``, so that when the positive
+  weights are equal (a mean, a sum, a binary mask) ``c̄`` is exactly that
+  weight: a mean over one element per example scores the same floats as
+  ``1/c_i`` did.
+  """
+  top = max(jnp.max(c, initial=0) for c in c_elems)
+  ref = jnp.where(top > 0, top, 1)
+  total = sum(jnp.sum(jnp.where(c > 0, c / ref, 0)) for c in c_elems)
+  count = sum(jnp.sum(c > 0) for c in c_elems)
+  return jnp.where(count > 0, ref * (total / jnp.maximum(count, 1)), 1)
 
 
-def _sampled_cotangents(tagged, caps, c_elems, c_i, key):
-  """Cotangents ``(c_e/c_i) ∇_o ℓ(o_e, t̃_e)`` on every loss's outputs."""
+def _sampled_cotangents(tagged, caps, c_elems, cbar, key):
+  """Cotangents ``(c_e/c̄) ∇_o ℓ(o_e, t̃_e)`` on every loss's outputs."""
   out = []
   for tag, c_elem, k in zip(tagged.losses, c_elems,
                             jax.random.split(key, len(tagged.losses))):
@@ -91,8 +129,7 @@ def _sampled_cotangents(tagged, caps, c_elems, c_i, key):
     dist = tag.distribution
     t = dist.sample(k, outs)
     u = jax.grad(lambda o, t=t, dist=dist: jnp.sum(dist.loss(o, t)))(outs)
-    ci = _along(c_i, tag.example_axis, c_elem.ndim)
-    w = jnp.where(ci > 0, c_elem / jnp.where(ci > 0, ci, 1), 0)
+    w = c_elem / cbar
     out.append(tuple(
         (x * w.reshape(w.shape + (1,) * (x.ndim - w.ndim))).astype(x.dtype)
         for x in u))
@@ -123,11 +160,12 @@ def example_data(tagged, params, batch, key, estimation
   n = c_elems[0].shape[first.example_axis] if c_elems[0].ndim else 1
   c_i = sum(_per_example(c, n, t.example_axis)
             for c, t in zip(c_elems, tagged.losses))
-  scale = jnp.where(c_i > 0, 1 / jnp.where(c_i > 0, c_i, 1), 0)
+  cbar = mean_weight(c_elems)
+  scale = 1 / cbar
   if estimation == "fisher":
-    d = _sampled_cotangents(tagged, caps, c_elems, c_i, key)
+    d = _sampled_cotangents(tagged, caps, c_elems, cbar, key)
     (ct,) = vjp_fn((jnp.zeros_like(loss), d))
-    scale = jnp.ones_like(c_i)
+    scale = jnp.ones_like(cbar)
   layer_data = tagged.layer_data(caps, ct, c_i)
   out = {}
   for l in tagged.detected:
@@ -139,7 +177,7 @@ def example_data(tagged, params, batch, key, estimation
     else:
       a, g, _, _ = kfl_conv.conv_data(block, data.inputs, data.cotangents,
                                       data.weights)
-    g = g[0] * scale.astype(g.dtype)[:, None, None, None]
+    g = g[0] * scale.astype(g.dtype)
     out[l.name] = (a, g)
   return out, c_i, loss
 

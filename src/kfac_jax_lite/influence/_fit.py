@@ -76,7 +76,9 @@ def fit(loss_fn, params, batches, *, strategy="ekfac", estimation="fisher",
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` with a registered or
       recognised loss (``kfl.softmax_cross_entropy`` ...), any reduction
-      (mean, sum, masked): each example's loss is read from it.
+      (mean, sum, masked): each example's loss ``ℓ_n`` is its share of it,
+      which for these reductions is the sum of the example's unmasked loss
+      elements (outputs, tokens; ``kfl.influence``).
     params: the trained parameters (a pytree of float arrays).
     batches: the training set as batches (pytrees of arrays sharing a
       leading example axis), streamed one at a time: a list, any

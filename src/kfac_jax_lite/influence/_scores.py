@@ -4,8 +4,10 @@ Scores (Koh & Liang 2017; Grosse et al. 2023, kronfluence's definitions):
 
     s(q, t) = ∇f_q(θ)ᵀ (Ĝ + λI)⁻¹ ∇ℓ_t(θ),     s(t) = ∇ℓ_tᵀ (Ĝ + λI)⁻¹ ∇ℓ_t,
 
-``f_q`` the query's measurement (default its own training loss), ``ℓ_t``
-training example ``t``'s loss (data targets), ``Ĝ`` block diagonal over
+``f_q`` the query's measurement (default its own loss ``ℓ_q``, read from
+the query batch as the training examples' are), ``ℓ_t`` training example
+``t``'s loss (data targets; the sum of its unmasked loss elements for a
+mean, sum or masked mean: ``kfl.influence``), ``Ĝ`` block diagonal over
 the layers (``fit``), ``λ`` per layer: an absolute ``damping``, or
 kronfluence's heuristic ``damping_fraction · mean(s)`` (their
 ``damping_factor=None``: 0.1 × the layer's mean eigenvalue). Per layer,
@@ -130,7 +132,8 @@ def pairwise_scores(state: _fit.InfluenceState, params, queries,
       (as ``fit``'s; the columns come in their order).
     measurement: ``measurement(params, queries) -> [Q]``, one value per
       query (a logit margin, a token's log-probability ...); None: each
-      query's own loss under ``state``'s loss function.
+      query's own loss ``ℓ_q`` under ``state``'s loss function (the sum of
+      its unmasked loss elements, as for the training examples).
     damping: absolute ``λ`` for every layer; None: the heuristic.
     damping_fraction: the heuristic's fraction of the mean eigenvalue.
     progress: a ``tqdm`` bar over the training batches.
