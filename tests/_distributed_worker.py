@@ -88,7 +88,9 @@ def make_tx(loss_fn, batch, axis_name=None, estimation="exact", blocks=None,
             lr=0.1, **kw):
   import optax
   import kfac_jax_lite as kfl
-  # inverse_every=2: refreshes at steps 0, 1 (young), 2, 4, ...
+  # inverse_every=2: refreshes at steps 0, 1 (young), 2, 4, ...; statistics
+  # every step unless a scenario plans otherwise (cov_every=).
+  kw.setdefault("cov_every", 1)
   kfac = kfl.kfac(loss_fn, batch, damping=1e-2, estimation=estimation,
                   cov_decay=0.9, inverse_every=2, axis_name=axis_name,
                   blocks=blocks, **kw)

@@ -156,9 +156,18 @@ def scenario_sharded(args):
       result["hlo_replicated"] = _collectives(
           stepr.lower(params, sr, b).compile().as_text())
 
+  # Statistics every other step (a planned cov_every > 1) under the mesh:
+  # the statistics' conditional inside the step's shard_map(check_vma=True).
+  mesh = _mesh(8)
+  p2, s2, _ = W.run_single(loss_fn, params, batches, make(cov_every=2))
+  tx = make(axis_name="data", mesh=mesh, cov_every=2)
+  pm, sm, _ = _jit_run(tx, mesh, params, tx.init(params), batches)
+  result["jit8_cov2"] = dict(
+      params=W.tolist(pm), caches=W.tolist(_state_caches(sm[0])),
+      single_params=W.tolist(p2), single_caches=W.tolist(W.caches(s2[0])))
+
   # gather="inverses" (the caches gathered after refreshes), in π and in
   # exact damping mode; the sharded default in exact mode too.
-  mesh = _mesh(8)
   for mode in ("pi", "exact"):
     pe, se, _ = W.run_single(loss_fn, params, batches,
                              make(damping_mode=mode))

@@ -119,6 +119,15 @@ def test_jit_with_a_mesh_equals_one_device(devices):
     assert r["spec"] == "P('data',)"
 
 
+def test_statistics_every_other_step_under_a_mesh_equal_one_device():
+  """``cov_every=2`` (as a plan may choose) with ``mesh=``: the statistics'
+  conditional traces inside the step's ``shard_map(check_vma=True)`` and
+  the run equals one device's with the same interval."""
+  r = result()["jit8_cov2"]
+  _same(r["params"], r["single_params"])
+  _same(r["caches"], r["single_caches"])
+
+
 def test_replicated_layout_under_a_mesh_equals_one_device():
   r = result()
   _same(r["jit8_replicated"]["params"], r["single_params"])

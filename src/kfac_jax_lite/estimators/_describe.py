@@ -306,7 +306,7 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   return table
 
 
-def plan_for(tagged, batch, *, budget: float | None = _plan.DEFAULT_BUDGET,
+def plan_for(tagged, batch, *, budget: float = _plan.DEFAULT_BUDGET,
              cov_every: int | None = None, inverse_every: int | None = None,
              stats_fraction: float = STATS_FRACTION,
              estimation: str | None = None,

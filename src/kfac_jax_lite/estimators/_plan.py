@@ -107,7 +107,7 @@ def _parts(flops):
   return total.sgd, total.statistics, total.precondition, total.refresh
 
 
-def plan(flops, *, budget: float | None = DEFAULT_BUDGET,
+def plan(flops, *, budget: float = DEFAULT_BUDGET,
          cov_every: int | None = None,
          inverse_every: int | None = None) -> Plan:
   """The ``Plan`` for blocks priced ``flops`` (``_cost.Flops`` per block at

@@ -267,6 +267,9 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
                      refresh=refresh, refresh_every=refresh_every,
                      nu_rebase=nu_rebase)
   adam.check()
+  if cov_every is None:  # kfl.kfac plans it; eigen_adam keeps its own.
+    raise ValueError("eigen_adam: cov_every must be a positive int (it is "
+                     "not planned here), got None")
   shared = O.CurvatureOptions(
       estimation=estimation, num_samples=num_samples, cov_decay=cov_decay,
       cov_every=cov_every, stats_fraction=stats_fraction, blocks=blocks,
@@ -437,7 +440,7 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
     states, mu_b, nu_b = _refresh_due(cfg, s, folded, mu_b, nu_b)
   new_state = EigenAdamState(
       count=count_inc,
-      stats_due=(jnp.mod(count_inc, cfg.curvature.cov_every) == 0
+      stats_due=(jnp.mod(count_inc, _cov_every(cfg)) == 0
                  ).astype(jnp.int32),
       key=jax.random.split(state.key)[0], blocks=states, mu_basis=mu_b,
       nu_basis=nu_b, mu=tuple(mu), nu=tuple(nu), pending=state.pending)
@@ -492,10 +495,17 @@ def _no_pass(dtype):
   return jnp.zeros((), dtype), jnp.zeros((), dtype), jnp.zeros((), bool)
 
 
+def _cov_every(cfg: _EigenAdam) -> int:
+  """``cov_every``, an int here (``eigen_adam`` refuses None)."""
+  every = cfg.curvature.cov_every
+  assert every is not None
+  return every
+
+
 def _fold_due(cfg: _EigenAdam, s: _Step, blocks):
   """``_fold`` on the counts that are multiples of ``cov_every`` (else the
   blocks as they were, and no pass)."""
-  every = cfg.curvature.cov_every
+  every = _cov_every(cfg)
   if every == 1:
     return _fold(cfg, s, blocks)
   idle = lambda b: (b, _no_pass(float_dtype(s.params)))

@@ -5,7 +5,12 @@
 
 Each ``update``:
 
-1. every ``cov_every`` steps, takes ``stats=`` from
+0. plans ``cov_every`` and ``inverse_every`` when they are not given: the
+   most frequent statistics and refreshes whose mean step the cost model
+   prices within ``budget`` SGD steps (``kfl.estimators``' ``_plan``;
+   ``kfl.describe`` prints the plan);
+1. every ``cov_every`` steps (and while a block is not ready), takes
+   ``stats=`` from
    ``kfl.value_grad_and_stats`` (the forward pass shared with the
    gradient: the README's way), or estimates the statistics of every block
    on ``batch=`` (its first ``stats_fraction`` share); averages them over
@@ -29,8 +34,8 @@ Each ``update``:
    Ba et al. 2017). Parameters the tagging excluded, and blocks that are
    not ready, pass their gradient through unchanged.
 
-Defaults (``damping=1e-3``, ``norm_constraint=1.0``, ``inverse_every=10``
-with the young refreshes) are the README's recommended settings: chained
+Defaults (``damping=1e-3``, ``norm_constraint=1.0``, the planned
+intervals with the young refreshes) are the README's recommended settings: chained
 with ``optax.sgd(lr, momentum=0.9)`` at lr 0.01 they train ordinary small
 models (``benchmarks/robustness.py``). The KL clip bounds the update before
 the learning rate scales it, so the lr scales every step, clipped or not:
@@ -85,13 +90,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from kfac_jax_lite import blocks as B
 from kfac_jax_lite import estimators
 from kfac_jax_lite import tagging
 from kfac_jax_lite.factor import all_finite, float_dtype
 from kfac_jax_lite.optimizers import _detection
 from kfac_jax_lite.optimizers import _find
 from kfac_jax_lite.optimizers import _pending
+from kfac_jax_lite.optimizers import _planning
 from kfac_jax_lite.optimizers import _health_state
 from kfac_jax_lite.optimizers import _layouts
 from kfac_jax_lite.optimizers import _restore_check
@@ -221,8 +226,9 @@ def kfac(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       seed=seed)
   preconditioner = O.PreconditionerOptions(
       damping=damping, inverse_every=inverse_every, budget=budget,
-      damping_mode=damping_mode, precon_power=precon_power, norm_constraint=norm_constraint,
-      inverse_method=inverse_method, layout=layout, mesh=mesh, gather=gather)
+      damping_mode=damping_mode, precon_power=precon_power,
+      norm_constraint=norm_constraint, inverse_method=inverse_method,
+      layout=layout, mesh=mesh, gather=gather)
   return build(loss_fn, example_batch, curvature, preconditioner).transform
 
 
@@ -271,19 +277,6 @@ class _Kfac(NamedTuple):
   plan: Callable  # (params) -> estimators.Plan
 
 
-def planned(cfg: _Kfac, params) -> _Kfac:
-  """``cfg`` with ``cov_every`` and ``inverse_every`` as planned for
-  ``params`` (``estimators.plan_for`` at the example batch; those given
-  are kept)."""
-  c, p = cfg.curvature, cfg.preconditioner
-  if c.cov_every is not None and p.inverse_every is not None:
-    return cfg
-  chosen = cfg.plan(params)
-  return cfg._replace(
-      curvature=c._replace(cov_every=chosen.cov_every),
-      preconditioner=p._replace(inverse_every=chosen.inverse_every))
-
-
 def build(loss_fn: Callable, example_batch, curvature: O.CurvatureOptions,
           preconditioner: O.PreconditionerOptions, where: str = "kfac"
           ) -> KfacWithLayers:
@@ -300,7 +293,7 @@ def build(loss_fn: Callable, example_batch, curvature: O.CurvatureOptions,
                       else (lambda _: p.damping))
   layers = _detection_of(loss_fn, example_batch, curvature, p.damping_mode)
   cfg = _Kfac(loss_fn, example_batch, curvature, p, layout, damping_schedule,
-              layers, _plan_of(layers, example_batch, curvature, p))
+              layers, _planning.plan_of(layers, example_batch, curvature, p))
   return KfacWithLayers(
       optax.GradientTransformationExtraArgs(functools.partial(_init, cfg),
                                             functools.partial(_update, cfg)),
@@ -329,24 +322,6 @@ def _detection_of(loss_fn, example_batch, curvature, damping_mode):
       _detection.check_same_layers(layers(params), with_blocks[tagged])
     return with_blocks[tagged]
   return layers
-
-
-def _plan_of(layers, example_batch, curvature, preconditioner):
-  """``plan(params)``: ``estimators.plan_for`` the detection of
-  ``params`` at the example batch, once per detection."""
-  c, p = curvature, preconditioner
-  cache: dict = {}
-
-  def plan(params) -> estimators.Plan:
-    tagged = layers(params)
-    if tagged not in cache:
-      cache[tagged] = estimators.plan_for(
-          tagged, example_batch, budget=p.budget, cov_every=c.cov_every,
-          inverse_every=p.inverse_every, stats_fraction=c.stats_fraction,
-          estimation=c.estimation, inverse_method=p.inverse_method,
-          damping_mode=p.damping_mode)
-    return cache[tagged]
-  return plan
 
 
 def _init(cfg: _Kfac, params) -> KfacState:
@@ -440,7 +415,7 @@ def _run(cfg: _Kfac, updates, state, params, *, batch, stats, damping, loss,
   ``loss=`` when that is not given; a non-finite loss (with a finite
   gradient) or a bad target skips the update (a zero update, statistics
   left out) and is counted (``_health_state``)."""
-  cfg = planned(cfg, params)
+  cfg = _planning.planned(cfg, params)
   c, p = cfg.curvature, cfg.preconditioner
   stats, run = estimators.split_run(stats)
   tagged = _tagged_for_batch(cfg, params, batch, stats)
@@ -462,7 +437,7 @@ def _run(cfg: _Kfac, updates, state, params, *, batch, stats, damping, loss,
   targets_ok = (jnp.ones((), bool) if run is None else
                 mean(jnp.asarray(run["bad_targets"], dtype)) == 0)
   # The state's flag (``kfl.stats_due``): every ``cov_every`` updates, and
-  # on every update while a block is not ready (``_stats_due``).
+  # on every update while a block is not ready (``_planning.stats_due``).
   due = state.stats_due > 0
   leaves, treedef = jax.tree.flatten(updates)  # The gradients.
   out, states, (pass_loss, pass_ok) = _curvature(
@@ -484,25 +459,12 @@ def _run(cfg: _Kfac, updates, state, params, *, batch, stats, damping, loss,
                                    damping_ok & given_ok & targets_ok, scale)
   new_state = state._replace(
       count=state.count + 1, key=key, blocks=states,
-      stats_due=_stats_due(tagged.layers, states, state.count + 1,
-                           c.cov_every),
+      stats_due=_planning.stats_due(tagged.layers, states,
+                                    state.count + 1, c.cov_every),
       **_health_state.counted(state, params, grads_ok, update_ok,
                               damping_ok, scale < 1, seen, dtype,
                               (given_ok, targets_ok)))
   return jax.tree.unflatten(treedef, out), new_state
-
-
-def _stats_due(layers, states, count, cov_every):
-  """Whether update ``count`` takes statistics (int32 0/1): every
-  ``cov_every`` updates, and while a block is not ready (no decomposition of
-  real statistics yet: a first batch that was skipped, say), so that a
-  planned interval never leaves a block unpreconditioned for ``cov_every``
-  steps. In the sharded layout the interval alone."""
-  due = count % cov_every == 0
-  if not isinstance(states, sharding.ShardedBlocks):
-    for l in layers:
-      due = due | ~jnp.all(B.as_block(l.block).is_ready(states[l.name]))
-  return due.astype(jnp.int32)
 
 
 def _curvature(cfg: _Kfac, tagged, state, params, leaves, *, batch, stats,
