@@ -434,8 +434,8 @@ def scenario_split_refresh(args):
   """One refresh step from the same state: split over 8 devices vs not.
 
   Both start from the single-device state after ``STEPS`` steps; the step
-  is made a refresh-only step (count a multiple of ``inverse_every`` but
-  not of ``cov_every``), so both decompose identical factors and only the
+  is made a refresh-only step (count a multiple of ``inverse_every``, its
+  statistics flag off), so both decompose identical factors and only the
   split (``lax.cond`` on the owner + ``psum`` of the caches) differs.
   """
   import jax
@@ -450,7 +450,9 @@ def scenario_split_refresh(args):
   split = lambda b: jax.tree.map(lambda x: x.reshape((n, -1) + x.shape[1:]), b)
   # The factor statistics do not depend on the damping mode or power.
   p1, s1, _ = run_single(loss_fn, params, batches, make_tx(loss_fn, batches[0]))
-  kstate = s1[0]._replace(count=jnp.asarray(6, jnp.int32))
+  # No statistics at this step: the state's flag (kfl.stats_due) says so.
+  kstate = s1[0]._replace(count=jnp.asarray(6, jnp.int32),
+                          stats_due=jnp.zeros((), jnp.int32))
   grads = jax.grad(loss_fn)(p1, batch)
   result = {}
   for label, cfg in SPLIT_CONFIGS.items():
