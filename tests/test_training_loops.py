@@ -181,7 +181,9 @@ def test_nnx_optimizer_as_documented():
   state = optimizer.opt_state
   assert sorted(kfl.health(state).__class__._fields)  # reads OptArrays
   assert kfl.health(state).steps == STEPS
-  assert bool(kfl.stats_due(state))
+  # Read through the OptArrays: due on the plan's statistics steps.
+  plan = kfl.describe(loss_fn, nnx.state(model, nnx.Param), BATCH).plan
+  assert bool(kfl.stats_due(state)) == (STEPS % plan.cov_every == 0)
   kstate = [s for s in jax.tree.leaves(
       state, is_leaf=lambda x: isinstance(x, kfl.KfacState))
             if isinstance(s, kfl.KfacState)][0]
@@ -464,7 +466,10 @@ def test_multisteps_with_batch_and_finders_through_combinators():
   state, losses = _train_state_losses(state, loss_fn, 2 * STEPS)
   _falls(losses)
   assert kfl.health(state.opt_state).steps == STEPS  # One per emitted step.
-  assert bool(kfl.stats_due(state.opt_state))
+  # Read through MultiSteps: due on the plan's statistics steps.
+  plan = kfl.describe(loss_fn, params, BATCH).plan
+  assert bool(kfl.stats_due(state.opt_state)) == (
+      STEPS % plan.cov_every == 0)
   # One finder for every combinator that holds the state.
   for wrapped in (optax.apply_if_finite(optax.chain(kfl.kfac(loss_fn, BATCH)),
                                         3),

@@ -264,8 +264,9 @@ def test_state_round_trips_and_training_resumes_bit_for_bit():
 
 
 def test_nan_batch_is_survived_and_counted():
-  tx = optax.chain(kfl.kfac(loss_fn, BATCH, damping=1e-2, inverse_every=2),
-                   optax.sgd(0.1, momentum=0.9))
+  # Statistics every step, so the bad batch's are refused (and counted).
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH, damping=1e-2, inverse_every=2,
+                            cov_every=1), optax.sgd(0.1, momentum=0.9))
   bad = dict(BATCH, x=BATCH["x"].at[0, 0].set(jnp.nan))
   batches = [BATCH] * 3 + [bad] + [BATCH] * 6
   params, state, losses = train(tx, 10, batches=batches)
