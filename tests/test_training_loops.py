@@ -143,7 +143,9 @@ def test_with_batch_refuses_a_state_without_kfac():
 # -------------------------------------------------------------- flax nnx
 
 
-def test_nnx_optimizer_as_documented():
+def _nnx_mlp():
+  """``(model, loss_fn)``: a 5-8-3 nnx MLP and K-FAC's loss of its
+  parameters (merged with the model's graph)."""
   from flax import nnx
 
   class MLP(nnx.Module):
@@ -161,7 +163,12 @@ def test_nnx_optimizer_as_documented():
     x, y = batch
     logits = nnx.merge(graphdef, params)(x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return model, loss_fn
 
+
+def test_nnx_optimizer_as_documented():
+  from flax import nnx
+  model, loss_fn = _nnx_mlp()
   tx = optax.chain(kfl.kfac(loss_fn, BATCH), optax.sgd(0.1, momentum=0.9))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
@@ -197,23 +204,7 @@ def test_nnx_optimizer_one_pass_step():
   ``nnx.as_pure(...)`` its plain gradients would be dropped by the
   optimizer's ``wrt`` filter, which K-FAC refuses naming the fix."""
   from flax import nnx
-
-  class MLP(nnx.Module):
-    def __init__(self, rngs):
-      self.l1 = nnx.Linear(5, 8, rngs=rngs)
-      self.l2 = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-      return self.l2(jnp.tanh(self.l1(x)))
-
-  model = MLP(nnx.Rngs(0))
-  graphdef, _ = nnx.split(model)
-
-  def loss_fn(params, batch):
-    x, y = batch
-    return optax.softmax_cross_entropy_with_integer_labels(
-        nnx.merge(graphdef, params)(x), y).mean()
-
+  model, loss_fn = _nnx_mlp()
   tx = optax.chain(kfl.kfac(loss_fn, BATCH), optax.sgd(0.1, momentum=0.9))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   est_fn = kfl.value_grad_and_stats(loss_fn, nnx.state(model, nnx.Param),
