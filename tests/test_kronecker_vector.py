@@ -174,7 +174,8 @@ def test_describe_prices_the_vectors_by_hand():
 
   def loss_fn(p, b):
     return kfl.squared_error(b["x"] @ p["w"] + p["b"], b["y"]).mean()
-  (row,) = kfl.describe(loss_fn, params, batch, blocks=EVA, inverse_every=10)
+  (row,) = kfl.describe(loss_fn, params, batch, blocks=EVA, inverse_every=10,
+                        cov_every=1)
   assert row.block == "KroneckerVectorDense"
   assert row.factors == ((1, 6), (1, 3))
   f = row.flops

@@ -20,13 +20,14 @@ import kfac_jax_lite as kfl
 import _helpers
 from _helpers import assert_paths_rounding_close, x64_mode
 from kfac_jax_lite.estimators import describe
-from kfac_jax_lite.tagging import find_layers, path_name
+from kfac_jax_lite.tagging import find_layers
+from kfac_jax_lite.tagging._paths import named_leaves
 
 N, T, D, V, H = 3, 4, 5, 7, 6
 
 
 def _flat(tree):
-  return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return dict(named_leaves(tree))  # The layers' naming (no wrapper .value).
 
 
 def _probed(loss, params, batch):

@@ -16,7 +16,8 @@ import pytest
 
 import kfac_jax_lite as kfl
 from kfac_jax_lite.estimators import describe
-from kfac_jax_lite.tagging import find_layers, path_name
+from kfac_jax_lite.tagging import find_layers
+from kfac_jax_lite.tagging._paths import named_leaves
 
 N, D, C = 8, 5, 6
 
@@ -142,8 +143,7 @@ def test_batchnorm_scale_and_shift(name):
   _, cts = vjp(jnp.ones_like(l))
   per_ex = tl.per_example_grads(caps, cts)
   full = jax.grad(_value(loss, has_aux, params, batch))(params)
-  full = {path_name(p): g for p, g in
-          jax.tree_util.tree_flatten_with_path(full)[0]}
+  full = dict(named_leaves(full))  # The layers' naming (no wrapper .value).
   assert set(per_ex) == set(full)
   for path, g in per_ex.items():
     np.testing.assert_allclose(g.sum(0), full[path], rtol=1e-4, atol=1e-6,
