@@ -123,6 +123,58 @@ def test_linen_train_state_with_stats_one_pass():
   assert kfl.health(state.opt_state).num_losses == STEPS
 
 
+@pytest.mark.parametrize("style", ["with_batch", "with_stats"])
+@pytest.mark.parametrize("name", sorted(LINEN_TX))
+def test_train_state_step_compiles_once(name, style):
+  """The README's TrainState step compiles once (issue 48, point 3): the
+  stored batch (or statistics) slot is in the state from ``init``, with the
+  structure and shapes the step stores, so the second call finds the jit's
+  cache (it used to hold None until the first step, which then compiled
+  again). A batch of another size works: it compiles for the new shapes
+  (a stored batch's twice: the slot still has the old ones at the first
+  call), then not."""
+  from flax.training import train_state
+  model, params, loss_fn = _linen()
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=LINEN_TX[name](loss_fn))
+  est_fn = kfl.value_grad_and_stats(loss_fn, params, BATCH)
+  traces = []
+
+  @jax.jit
+  def train_step(state, batch, key):
+    traces.append(1)  # Runs once per trace (compile), not per call.
+    if style == "with_batch":
+      loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+      opt_state = kfl.with_batch(state.opt_state, batch)
+    else:
+      est = est_fn(state.params, batch, key,
+                   with_stats=kfl.stats_due(state.opt_state))
+      loss, grads = est.loss, est.grads
+      # kfac_optimizer's quadratic model needs the batch too.
+      opt_state = kfl.with_stats(
+          state.opt_state, est, batch if name == "kfac_optimizer" else None)
+    return state.replace(opt_state=opt_state).apply_gradients(
+        grads=grads), loss
+
+  for i in range(3):
+    state, _ = train_step(state, BATCH, jax.random.PRNGKey(i))
+  # Traces, not jit's _cache_size(): TrainState.create's step is a Python
+  # int, whose call has a dispatch cache entry of its own (same program).
+  assert len(traces) == 1
+  assert kfl.health(state.opt_state).steps == 3
+  if name == "kfac":  # Another batch size.
+    half = jax.tree.map(lambda x: x[:16], BATCH)
+    seen = []
+    for i in range(3):
+      state, loss = train_step(state, half, jax.random.PRNGKey(i))
+      seen.append(len(traces))
+    # A stored batch of the new shapes is in the second call's input too;
+    # the statistics (kfac's one-pass style stores no batch) are not.
+    assert seen == ([2, 3, 3] if style == "with_batch" else [2, 2, 2])
+    assert jnp.isfinite(loss)
+    assert kfl.health(state.opt_state).steps == 6
+
+
 def test_train_state_without_batch_names_the_fix():
   from flax.training import train_state
   model, params, loss_fn = _linen()

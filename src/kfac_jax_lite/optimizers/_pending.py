@@ -1,32 +1,90 @@
-"""``Pending``, the next update's batch or statistics carried in a K-FAC
-state (``kfl.with_batch``, ``kfl.with_stats``: ``pending``), and how each
-``update`` reads it (``resolve``) or refuses without it (``missing``).
-Its own module so that the states' modules and ``pending`` all read it,
-none through another."""
+"""``Pending``, the slot of a K-FAC state that carries the next update's
+batch or statistics (``kfl.with_batch``, ``kfl.with_stats``: ``pending``),
+made by ``init`` (``empty``), and how each ``update`` reads it
+(``stored``) or refuses without it (``missing``). Its own module so that
+the states' modules and ``pending`` all read it, none through another.
+
+The slot is in the state from ``init``, with the structure, shapes and
+dtypes of what a step stores: zeros of the example batch and of the
+statistics ``kfl.value_grad_and_stats`` computes on it (``Estimate.stats``,
+traced at ``init``: ``estimators.first_step_check``). A jitted step that
+stores its batch then returns a state of the structure it got, and
+compiles once (it used to hold None until the first step stored one, whose
+output then compiled the step again: issue 48). What is stored is the int32
+``kind``: ``BATCH | STATS`` bits, 0 for nothing.
+
+``update`` reads ``kind`` when it traces. ``with_batch``/``with_stats``
+write it as a NumPy constant, so in the step that called them (the
+README's loops) it is known there, as it is eagerly: the update takes the
+stored batch's path or the statistics' path, and with nothing stored it
+raises the error naming the fix (``missing``). Where the state reaches
+``update`` as an argument of a trace (a jitted step that forgot
+``with_batch`` or called it outside; ``optax.MultiSteps``, whose
+``lax.cond`` passes the state on) ``kind`` is only known at run time:
+both paths are compiled under a ``lax.switch`` and an update with nothing
+stored is skipped (a zero update, the state unchanged) and counted in
+``num_missing`` (``kfl.health`` reports it), as K-FAC's other faults are.
+Before the slot was made at ``init``, a jitted step that forgot
+``with_batch`` was refused when it traced: a fixed structure cannot tell
+"never stored" from "stored" before it runs.
+"""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.core  # Explicit, so that type checkers see jax.core.Tracer.
+import jax.numpy as jnp
+import numpy as np
+
+# ``Pending.kind``'s bits.
+BATCH = 1
+STATS = 2
 
 
 class Pending(NamedTuple):
   """What the next update of a K-FAC state uses when it gets no keyword
-  arguments (module docstring).
+  arguments (module docstring); ``init`` makes it with zeros (``empty``).
 
   Attributes:
-    batch: the batch (as ``update(..., batch=)``), or None.
-    stats: one-pass statistics (``Estimate.stats``, as ``stats=``), or None.
-    loss: the loss for ``kfl.health`` (``Estimate.loss``, as ``loss=``), or
-      None.
+    batch: the batch (as ``update(..., batch=)``); the example batch's
+      zeros until one is stored.
+    stats: one-pass statistics (``Estimate.stats``, as ``stats=``); zeros
+      of those of the example batch until some are stored (None where
+      ``init`` could not trace them).
+    loss: the loss for ``kfl.health`` stored with the statistics
+      (``Estimate.loss``, as ``loss=``).
+    kind: int32, what is stored: ``BATCH | STATS`` bits (0: nothing).
+    num_missing: int32, updates that found nothing stored at run time and
+      were skipped (module docstring).
   """
 
   batch: Any = None
   stats: Any = None
   loss: Any = None
+  kind: Any = None
+  num_missing: Any = None
+
+
+def _zeros(x):
+  return jnp.zeros(np.shape(x), jnp.result_type(x))
+
+
+def empty(example_batch, stats, loss_dtype) -> Pending:
+  """The slot ``init`` makes: zeros of ``example_batch`` (arrays or
+  ``jax.ShapeDtypeStruct``s) and of ``stats`` (the ``ShapeDtypeStruct``s
+  of ``Estimate.stats`` on it, or None), a zero loss of ``loss_dtype``,
+  nothing stored."""
+  zero = lambda: jnp.zeros((), jnp.int32)  # Own buffers: donatable.
+  return Pending(batch=jax.tree.map(_zeros, example_batch),
+                 stats=None if stats is None else jax.tree.map(_zeros, stats),
+                 loss=jnp.zeros((), loss_dtype), kind=zero(),
+                 num_missing=zero())
 
 
 def missing(where: str, what: str = "batch= (or precomputed stats=)") -> str:
   """The error of an update that got neither keyword arguments nor a
-  pending batch: what it needs and how each loop passes it."""
+  stored batch: what it needs and how each loop passes it."""
   return (
       f"{where} needs {what}. In a plain optax loop: tx.update(grads, "
       "opt_state, params, batch=batch). Where the loop calls tx.update "
@@ -38,12 +96,59 @@ def missing(where: str, what: str = "batch= (or precomputed stats=)") -> str:
       "optimizer.update(model, grads, batch=batch)")
 
 
-def resolve(state, batch, stats, loss):
-  """``(batch, stats, loss)``: the keyword arguments when either of
-  ``batch``/``stats`` is given, else the state's ``pending`` ones (all
-  None when nothing is pending)."""
-  pending = getattr(state, "pending", None)
-  if batch is not None or stats is not None or pending is None:
-    return batch, stats, loss
-  return (pending.batch, pending.stats,
-          loss if loss is not None else pending.loss)
+def stored(update: Callable, state, batch, stats, loss, needs: str | None):
+  """``update(state, batch, stats, loss) -> (updates, new state)`` with the
+  keyword arguments when either of ``batch``/``stats`` is given, else with
+  what ``state.pending`` stores (module docstring). ``update`` gets the
+  state without its slot and its new state gets the slot back, so the
+  slot never enters the update's own work (a ``shard_map``'s specs, a
+  ``lax.cond``) and comes out as it came in: ``optax.MultiSteps``, which
+  selects between the old and the new state leaf by leaf, and ``lax.scan``
+  carries keep one structure.
+
+  ``needs``: what ``update`` cannot do without, for the run-time choice:
+  ``"one"`` (a batch or statistics: ``kfl.kfac``, ``kfl.eigen_adam``),
+  ``"batch"`` (statistics optional: ``kfl.kfac_optimizer``), or None
+  (neither: ``eigen_adam(basis="shampoo")``)."""
+  slot = getattr(state, "pending", None)
+  if not isinstance(slot, Pending):  # No slot: dropped, or an older state.
+    return update(state, batch, stats, loss)
+  bare = state._replace(pending=None)
+
+  def put(out, new, slot=slot):
+    return out, new._replace(pending=slot)
+  if batch is not None or stats is not None or needs is None:
+    return put(*update(bare, batch, stats, loss))
+  stats_loss = slot.loss if loss is None else loss
+  kind = slot.kind
+  if not isinstance(kind, jax.core.Tracer):  # Known when tracing.
+    kind = int(np.asarray(kind))
+    with_stats = bool(kind & STATS)
+    return put(*update(bare, slot.batch if kind & BATCH else None,
+                       slot.stats if with_stats else None,
+                       stats_loss if with_stats else loss))
+  paths = []  # What can be stored, each path traced once.
+  if slot.batch is not None:
+    paths.append((BATCH, lambda: update(bare, slot.batch, None, loss)))
+  if slot.stats is not None and (needs == "one" or slot.batch is not None):
+    paths.append((STATS, lambda: update(
+        bare, slot.batch if needs == "batch" else None, slot.stats,
+        stats_loss)))
+  if not paths:  # Nothing that could be stored: the update's refusal.
+    return put(*update(bare, None, None, loss))
+  shapes = jax.eval_shape(paths[0][1])
+
+  def skip():  # Nothing stored: a zero update, the state as it came.
+    return (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0]),
+            jax.tree.map(lambda x, s: jnp.asarray(x, s.dtype), bare,
+                         shapes[1]))
+
+  def branch(k):  # kind & (BATCH | STATS) -> its path's branch (0: skip).
+    want = (STATS if k & STATS and (needs == "one" or k & BATCH)
+            else BATCH if k & BATCH else None)
+    return next((i for i, (bit, _) in enumerate(paths, 1) if bit == want), 0)
+  table = [branch(k) for k in range(4)]
+  index = jnp.asarray(table, jnp.int32)[jnp.bitwise_and(kind, BATCH | STATS)]
+  out, new = jax.lax.switch(index, [skip] + [run for _, run in paths])
+  return put(out, new, slot._replace(num_missing=slot.num_missing + (
+      index == 0).astype(slot.num_missing.dtype)))

@@ -31,9 +31,14 @@ class KfacState(NamedTuple):
     stats_due: int32, 1 when the next update accumulates statistics
       (``count % cov_every == 0``), else 0 (an int, not a bool, so that
       arithmetic over the state's leaves works); ``kfl.stats_due`` reads it.
-    pending: None, or the ``Pending`` batch/statistics that ``update``
-      uses when called without ``batch=``/``stats=`` (``kfl.with_batch``,
-      ``kfl.with_stats``); ``update`` returns it unchanged.
+    pending: the slot (``_pending.Pending``) of the batch/statistics that
+      ``update`` uses when called without ``batch=``/``stats=``
+      (``kfl.with_batch``, ``kfl.with_stats``): made by ``init`` with
+      zeros of the example batch and its statistics, so that storing them
+      keeps the state's structure (one compile); ``update`` returns it
+      unchanged. None inside ``kfl.kfac_optimizer``'s state (whose own
+      slot it is), after ``kfl.with_batch(state, None)`` and in states of
+      older versions.
   """
 
   count: Any
@@ -45,4 +50,4 @@ class KfacState(NamedTuple):
   num_nonfinite_params: Any
   health: Any  # _health_state.HealthState
   stats_due: Any
-  pending: Any = None  # _pending.Pending or None
+  pending: Any = None  # _pending.Pending, or None

@@ -161,7 +161,9 @@ class EigenAdamState(NamedTuple):
   num_bad_updates: Any = None  # int32: skipped for a non-finite update.
   num_nonfinite_params: Any = None  # int32: called with non-finite params.
   health: Any = None  # _health_state.HealthState, as in KfacState.
-  pending: Any = None  # _pending.Pending (kfl.with_batch/with_stats) or None.
+  # The stored batch/statistics slot (kfl.with_batch/with_stats; zeros of
+  # the example batch's from init): _pending.Pending.
+  pending: Any = None
 
 
 def inner_block(block) -> Any:
@@ -281,7 +283,7 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
   layers = transform.build(
       loss_fn, example_batch, shared,
       O.PreconditionerOptions(damping_mode="exact"), where="eigen_adam").layers
-  cfg = _EigenAdam(adam, shared, layers)
+  cfg = _EigenAdam(adam, shared, layers, example_batch)
   return optax.GradientTransformationExtraArgs(
       functools.partial(_init, cfg), functools.partial(_update, cfg))
 
@@ -316,6 +318,7 @@ class _EigenAdam(NamedTuple):
   adam: AdamOptions
   curvature: O.CurvatureOptions
   layers: Callable  # kfl.kfac's detection: (params, batch=None) -> tagged.
+  example_batch: Any  # The stored batch slot's shapes (_pending.empty).
 
 
 class _Step(NamedTuple):
@@ -357,12 +360,19 @@ def _init(cfg: _EigenAdam, params) -> EigenAdamState:
                      states[l.name].g.cov.dtype)
   plain = lambda: tuple(jnp.zeros((1,), x.dtype) if i in covered
                         else jnp.zeros_like(x) for i, x in enumerate(leaves))
+  c, stats = cfg.curvature, None
+  if cfg.adam.basis == "kfac":  # Estimate.stats' shapes, for kfl.with_stats.
+    stats = estimators.first_step_check(
+        tagged, params, estimators.stats_slice(
+            cfg.example_batch, c.stats_fraction, examples=tagged.examples),
+        c.estimation, c.num_samples)[1]
   return EigenAdamState(
       count=jnp.zeros((), jnp.int32), stats_due=jnp.ones((), jnp.int32),
       key=jax.random.PRNGKey(cfg.curvature.seed),
       blocks=states, mu_basis={l.name: moment(l) for l in layers},
       nu_basis={l.name: moment(l) for l in layers}, mu=plain(), nu=plain(),
-      **_eigen_guard.init(params))
+      **_eigen_guard.init(params),
+      pending=_pending.empty(cfg.example_batch, stats, float_dtype(leaves)))
 
 
 def _adam(a: AdamOptions, g, m, v, count_inc):
@@ -415,7 +425,17 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
   del extra_args
   grads = updates  # Their structure (flax wrappers included) comes back.
   params, updates = _find.unwrap_update(params, updates, "kfl.eigen_adam")
-  batch, stats, loss = _pending.resolve(state, batch, stats, loss)
+  out, state = _pending.stored(
+      lambda state, batch, stats, loss: _given(
+          cfg, updates, state, params, batch=batch, stats=stats, loss=loss),
+      state, batch, stats, loss,
+      needs="one" if cfg.adam.basis == "kfac" else None)
+  return _find.rewrap(grads, out), state
+
+
+def _given(cfg: _EigenAdam, updates, state, params, *, batch, stats, loss):
+  """``update`` on the unwrapped gradients and params, with the batch or
+  statistics given or stored (``_pending.stored``)."""
   stats, run = estimators.split_run(estimators.device_mean(stats))
   if loss is None and run is not None:
     loss = run["loss"]
@@ -457,7 +477,7 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
   bad = own_bad if bad is None else bad + own_bad
   out, new_state = _eigen_guard.guarded(state, new_state, out, s.leaves,
                                         params, loss, bad, seen=seen)
-  return _find.rewrap(grads, jax.tree.unflatten(treedef, out)), new_state
+  return jax.tree.unflatten(treedef, out), new_state
 
 
 def _fold(cfg: _EigenAdam, s: _Step, blocks):

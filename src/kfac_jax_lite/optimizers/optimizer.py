@@ -132,9 +132,11 @@ class KfacOptimizerState(NamedTuple):
     momentum: ``μ`` of the last step.
     rho: the last reduction ratio ``ρ`` (``reduction_ratio``), from the
       last step that adapted the damping.
-    pending: None, or the ``Pending`` batch (and statistics) ``update``
-      uses when called without ``batch=`` (``kfl.with_batch``,
-      ``kfl.with_stats``); returned unchanged.
+    pending: the slot (``_pending.Pending``) of the batch (and
+      statistics) ``update`` uses when called without ``batch=``
+      (``kfl.with_batch``, ``kfl.with_stats``): made by ``init`` (zeros of
+      the example batch's shapes), returned unchanged; the inner ``kfac``
+      state has none (None).
   """
 
   kfac: transform.KfacState
@@ -143,7 +145,7 @@ class KfacOptimizerState(NamedTuple):
   learning_rate: Any
   momentum: Any
   rho: Any
-  pending: Any = None  # _pending.Pending or None
+  pending: Any = None  # _pending.Pending (None: a state of an older version)
 
 
 def _require(ok, message):
@@ -378,8 +380,12 @@ def _init(cfg: _Optimizer, params) -> KfacOptimizerState:
   scalar = lambda x: jnp.asarray(x, float_dtype(params))
   # optax types every transform's state as OptState; kfac's is a KfacState.
   kfac_state = typing.cast(transform.KfacState, cfg.inner.init(params))
-  return KfacOptimizerState(kfac_state, scalar(cfg.adaptation.initial_damping),
-                            zeros, scalar(0.0), scalar(0.0), scalar(0.0))
+  # The stored batch's slot is this state's (``update`` passes the inner
+  # one keyword arguments): moved here, not kept twice.
+  return KfacOptimizerState(kfac_state._replace(pending=None),
+                            scalar(cfg.adaptation.initial_damping),
+                            zeros, scalar(0.0), scalar(0.0), scalar(0.0),
+                            kfac_state.pending)
 
 
 def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
@@ -393,7 +399,16 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
   grads = updates  # Their structure (flax wrappers included) comes back.
   params, updates = _find.unwrap_update(params, updates,
                                            "kfl.kfac_optimizer")
-  batch, stats, loss = _pending.resolve(state, batch, stats, loss)
+  step, new_state = _pending.stored(
+      lambda state, batch, stats, loss: _given(
+          cfg, updates, state, params, batch=batch, stats=stats, loss=loss),
+      state, batch, stats, loss, needs="batch")
+  return _find.rewrap(grads, step), new_state
+
+
+def _given(cfg: _Optimizer, updates, state, params, *, batch, stats, loss):
+  """``update`` on the unwrapped gradients and params, with the batch (and
+  statistics) given or stored (``_pending.stored``)."""
   if batch is None:
     raise ValueError(_pending.missing(
         "kfac_optimizer.update", "batch= (its quadratic model evaluates "
@@ -421,8 +436,7 @@ def _update(cfg: _Optimizer, updates, state, params=None, *, batch=None,
       coeffs[0].astype(state.learning_rate.dtype),
       coeffs[1].astype(state.momentum.dtype), rho.astype(state.rho.dtype),
       state.pending)
-  step, new_state = _skip_if_guarded(state, new_state, step)
-  return _find.rewrap(grads, step), new_state
+  return _skip_if_guarded(state, new_state, step)
 
 
 def _skip_if_guarded(state, new_state, step):

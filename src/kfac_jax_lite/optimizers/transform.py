@@ -332,7 +332,7 @@ def _init(cfg: _Kfac, params) -> KfacState:
   _find.check_unmasked(params, "kfl.kfac")
   tagged = cfg.layers(params)
   estimators.check_has_loss(tagged, c.estimation, "kfl.kfac")
-  refused = estimators.first_step_refusal(
+  refused, stats = estimators.first_step_check(
       tagged, params, estimators.stats_slice(
           cfg.example_batch, c.stats_fraction, examples=tagged.examples),
       c.estimation, c.num_samples)
@@ -352,20 +352,39 @@ def _init(cfg: _Kfac, params) -> KfacState:
       num_bad_grads=zero(), num_bad_updates=zero(), num_bad_damping=zero(),
       num_nonfinite_params=zero(),
       health=_health_state.init(params, float_dtype(leaves)),
-      stats_due=jnp.ones((), jnp.int32))
+      stats_due=jnp.ones((), jnp.int32),
+      # With mesh= the estimate's statistics come per device ([D, ...],
+      # placed on the mesh): not kept here (D copies on one device).
+      pending=_pending.empty(cfg.example_batch,
+                             None if cfg.preconditioner.mesh is not None
+                             else stats,
+                             float_dtype(leaves)))
 
 
 def _update(cfg: _Kfac, updates, state, params=None, *, batch=None,
             stats=None, damping=None, loss=None, **extra_args):
-  """``tx.update`` (``kfac``'s Returns): on the mesh when one is
-  configured and no map is bound, else ``_run`` here."""
+  """``tx.update`` (``kfac``'s Returns): ``_given`` with the keyword
+  arguments, or with what ``kfl.with_batch``/``kfl.with_stats`` stored
+  (``_pending.stored``)."""
   del extra_args
   if params is None:
     raise ValueError("kfac needs params: call tx.update(grads, state, params, "
                      "batch=batch)")
   grads = updates  # Their structure (flax wrappers included) comes back.
   params, updates = _find.unwrap_update(params, updates, "kfl.kfac")
-  batch, stats, loss = _pending.resolve(state, batch, stats, loss)
+  out, state = _pending.stored(
+      lambda state, batch, stats, loss: _given(
+          cfg, updates, state, params, batch=batch, stats=stats,
+          damping=damping, loss=loss),
+      state, batch, stats, loss, needs="one")
+  return _find.rewrap(grads, out), state
+
+
+def _given(cfg: _Kfac, updates, state, params, *, batch, stats, damping,
+           loss):
+  """``update`` on the unwrapped gradients and params, with the batch or
+  statistics given or stored (``_pending.stored``): on the mesh when one is
+  configured and no map is bound, else ``_run`` here."""
   if stats is None and batch is None:
     raise ValueError(_pending.missing("kfac.update"))
   mesh, axis_name = cfg.preconditioner.mesh, cfg.curvature.axis_name
@@ -378,7 +397,7 @@ def _update(cfg: _Kfac, updates, state, params=None, *, batch=None,
           "them before the sharded layout can reduce-scatter them to their "
           "owners. Pass value_grad_and_stats(..., axis_name="
           f"{axis_name!r}, mesh=mesh) to send each device its share only.",
-          UserWarning, stacklevel=3)
+          UserWarning, stacklevel=5)
     examples = None if batch is None else cfg.layers(params, batch).examples
     out, state = _layouts.on_mesh(
         functools.partial(_run, cfg), examples, updates, state, params, batch,
@@ -387,7 +406,7 @@ def _update(cfg: _Kfac, updates, state, params=None, *, batch=None,
     out, state = _run(cfg, updates, state, params, batch=batch,
                       stats=estimators.device_mean(stats), damping=damping,
                       loss=loss)
-  return _find.rewrap(grads, out), state
+  return out, state
 
 
 def _tagged_for_batch(cfg: _Kfac, params, batch, stats):
