@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -173,6 +174,62 @@ def test_train_state_step_compiles_once(name, style):
     assert seen == ([2, 3, 3] if style == "with_batch" else [2, 2, 2])
     assert jnp.isfinite(loss)
     assert kfl.health(state.opt_state).steps == 6
+
+
+def test_stored_batch_read_at_run_time():
+  """Where the update gets the state as an argument of the trace, with no
+  ``with_batch`` in it (a jitted update; ``optax.MultiSteps``, whose
+  ``lax.cond`` passes the state on), what is stored is only known at run
+  time: both paths are compiled, the stored one runs, and an update with
+  nothing stored is skipped and counted, ``kfl.health`` naming the fix."""
+  _, params, loss_fn = _linen()
+  tx = optax.chain(kfl.kfac(loss_fn, BATCH), optax.sgd(0.1))
+  grads = jax.grad(loss_fn)(params, BATCH)
+  traces = []
+
+  @jax.jit
+  def update(grads, state, params):
+    traces.append(1)
+    return tx.update(grads, state, params)
+
+  u, state = update(grads, tx.init(params), params)  # Nothing stored.
+  h = kfl.health(state)
+  assert not any(jnp.any(x) for x in jax.tree.leaves(u))
+  assert h.steps == 0 and h.missing == 1 and not h.ok
+  assert "NOTHING STORED for 1 updates" in str(h), str(h)
+  u, state = update(grads, kfl.with_batch(state, BATCH), params)
+  want, _ = tx.update(grads, tx.init(params), params, batch=BATCH)
+  for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  assert kfl.health(state).steps == 1 and len(traces) == 1
+  # None drops the slot (a checkpoint without it, as earlier versions').
+  dropped = kfl.with_batch(state, None)
+  assert dropped[0].pending is None
+  with pytest.raises(ValueError, match=r"kfl\.with_batch\(state\.opt_state"):
+    tx.update(grads, dropped, params)
+
+  # MultiSteps with the one-pass statistics: the statistics' path.
+  from flax.training import train_state
+  model, params, loss_fn = _linen()
+  tx = optax.MultiSteps(optax.chain(kfl.kfac(loss_fn, BATCH, cov_every=1),
+                                    optax.sgd(0.1)), every_k_schedule=2)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=tx)
+  est_fn = kfl.value_grad_and_stats(loss_fn, params, BATCH)
+  traces.clear()
+
+  @jax.jit
+  def train_step(state, batch, key):
+    traces.append(1)
+    est = est_fn(state.params, batch, key)
+    state = state.replace(opt_state=kfl.with_stats(state.opt_state, est))
+    return state.apply_gradients(grads=est.grads)
+
+  for i in range(4):
+    state = train_step(state, BATCH, jax.random.PRNGKey(i))
+  h = kfl.health(state.opt_state)
+  assert h.steps == 2 and h.num_losses == 2 and h.missing == 0, str(h)
+  assert len(traces) == 1
 
 
 def test_train_state_without_batch_names_the_fix():

@@ -29,6 +29,7 @@ from jax.typing import ArrayLike
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.optimizers import _find
 from kfac_jax_lite.optimizers import _health_state
+from kfac_jax_lite.optimizers import _pending
 from kfac_jax_lite.optimizers import eigen_adam
 from kfac_jax_lite.optimizers import optimizer
 from kfac_jax_lite.optimizers import sharding
@@ -148,6 +149,9 @@ class Health(NamedTuple):
   ``loss_recent``: the losses seen, the mean of the first 10 and the EMA
   of the latest (``_health_state``; None when none was seen);
   ``loss_best``: the EMA's lowest value from the 10th loss on.
+  ``missing``: updates skipped because nothing was stored for them
+  (``kfl.with_batch``/``kfl.with_stats``) where that was only known at
+  run time (``optimizers._pending``); printed only when not 0.
 
   A run is also not ``ok`` when its parameters' norm grew more than
   ``PARAM_GROWTH_LIMIT`` times since the first update: a run that blows up
@@ -188,6 +192,7 @@ class Health(NamedTuple):
   loss_first: Optional[float] = None
   input_scale: Optional[tuple] = None
   loss_best: Optional[float] = None
+  missing: int = 0
 
   @property
   def out_of_scale(self) -> Optional[str]:
@@ -232,9 +237,9 @@ class Health(NamedTuple):
   @property
   def bad_events(self) -> int:
     """Updates skipped or replaced: bad gradients, losses, inputs, damping
-    and updates."""
+    and updates, and updates with nothing stored (``missing``)."""
     return (self.bad_grads + self.bad_losses + self.bad_inputs
-            + self.bad_damping + self.bad_updates)
+            + self.bad_damping + self.bad_updates + self.missing)
 
   @property
   def recovered(self) -> bool:
@@ -289,24 +294,28 @@ class Health(NamedTuple):
                 or self.failed_inverses or self.unready_blocks
                 or self.blew_up or self.stalled or self.bad_losses
                 or self.bad_inputs or self.rose or self.rebounded
-                or self.out_of_scale)
+                or self.out_of_scale or self.missing)
 
   def __str__(self):
-    parts = [self._head(), f"{self.steps} steps",
-             f"bad grads {self.bad_grads}",
-             f"bad losses {self.bad_losses}",
-             f"bad inputs {self.bad_inputs}",
-             f"non-finite params {self.nonfinite_params}",
-             f"bad damping {self.bad_damping}",
-             f"bad updates {self.bad_updates}",
-             f"skipped stats {self.skipped_stats}",
-             f"failed inverses {self.failed_inverses}",
-             f"unready blocks {self.unready_blocks}",
-             f"clipped {self.clipped}",
-             f"param growth {self.param_growth:.3g}x" + (
-                 "" if self.leaf is None else
-                 f", leaf {self.leaf} {self.leaf_growth:.3g}x")
-             + (" (BLEW UP)" if self.blew_up else ""), self._loss_part()]
+    parts = [self._head(), f"{self.steps} steps"]
+    if self.missing:
+      parts.append(f"NOTHING STORED for {self.missing} updates (skipped: "
+                   "call kfl.with_batch or kfl.with_stats in the step, "
+                   "before the update)")
+    parts += [f"bad grads {self.bad_grads}",
+              f"bad losses {self.bad_losses}",
+              f"bad inputs {self.bad_inputs}",
+              f"non-finite params {self.nonfinite_params}",
+              f"bad damping {self.bad_damping}",
+              f"bad updates {self.bad_updates}",
+              f"skipped stats {self.skipped_stats}",
+              f"failed inverses {self.failed_inverses}",
+              f"unready blocks {self.unready_blocks}",
+              f"clipped {self.clipped}",
+              f"param growth {self.param_growth:.3g}x" + (
+                  "" if self.leaf is None else
+                  f", leaf {self.leaf} {self.leaf_growth:.3g}x")
+              + (" (BLEW UP)" if self.blew_up else ""), self._loss_part()]
     for name in ("damping", "rho", "learning_rate", "momentum"):
       value = getattr(self, name)
       if value is not None:
@@ -409,6 +418,16 @@ def _events(found):
           max(last) if last else None)
 
 
+def _missing(s) -> int:
+  """Updates of the state ``s`` skipped with nothing stored (its slot's
+  ``num_missing``; devices counted once)."""
+  slot = getattr(s, "pending", None)
+  if not isinstance(slot, _pending.Pending) or slot.num_missing is None:
+    return 0
+  count = (s.kfac if isinstance(s, optimizer.KfacOptimizerState) else s).count
+  return _total(slot.num_missing) // np.asarray(count).size
+
+
 def _is_factor(x):
   return isinstance(x, fac.FactorState)
 
@@ -457,6 +476,7 @@ def health(state: optax.OptState,
   if not found:
     raise ValueError("kfl.health: no kfl.kfac, kfl.kfac_optimizer or "
                      f"kfl.eigen_adam state found in {type(state).__name__}")
+  missing = sum(_missing(x) for x in found)
   found = [_guard_view(x) for x in found]
   events = _events([x.kfac if isinstance(x, optimizer.KfacOptimizerState)
                     else x for x in found])
@@ -510,7 +530,7 @@ def health(state: optax.OptState,
                 loss_first=loss_first,
                 input_scale=_input_scale(
                     [x.kfac if isinstance(x, optimizer.KfacOptimizerState)
-                     else x for x in found]))
+                     else x for x in found]), missing=missing)
 
 
 def _growth(first, last):
