@@ -110,11 +110,17 @@ def brute_factors(params, batch, mode):
   return out
 
 
-def brute_update(params, grads, batch, mode, damping_mode):
+def brute_update(params, grads, batch, mode, damping_mode,
+                 max_dense_side=None):
+  """The K-FAC update from ``brute_factors``; a side larger than
+  ``max_dense_side`` keeps only its diagonal (the size policy)."""
   updates = []
   for (big_a, big_g), g in zip(brute_factors(params, batch, mode), grads):
     v = np.concatenate([np.asarray(g["w"]), np.asarray(g["b"])[None]], 0)
     a, b = v.shape
+    if max_dense_side is not None:
+      big_a = np.diag(np.diag(big_a)) if a > max_dense_side else big_a
+      big_g = np.diag(np.diag(big_g)) if b > max_dense_side else big_g
     if damping_mode == "exact":
       curv = np.kron(big_a, big_g) + LAM * np.eye(a * b)
     else:
@@ -127,12 +133,15 @@ def brute_update(params, grads, batch, mode, damping_mode):
 
 
 @functools.lru_cache(maxsize=None)
-def _update_fn(loss_name, estimation, damping_mode):
+def _update_fn(loss_name, estimation, damping_mode, max_dense_side=None):
   loss_fn = {"classifier": classifier_loss, "registered_mse": registered_mse,
              "handwritten_mse": handwritten_mse,
              "opaque_mse": opaque_mse}[loss_name]
+  blocks = (None if max_dense_side is None else
+            {"dense": {"max_dense_side": max_dense_side}})
   tx = kfl.kfac(loss_fn, batch64(), damping=LAM, estimation=estimation,
-                damping_mode=damping_mode, norm_constraint=None)
+                damping_mode=damping_mode, norm_constraint=None,
+                blocks=blocks)
 
   def first_update(params, batch):
     grads = jax.grad(loss_fn)(params, batch)
@@ -160,6 +169,28 @@ def test_kfac_update_matches_brute_force_in_float64(loss_name, estimation,
     mode = {"classifier": "exact", "registered_mse": "empirical",
             "opaque_mse": "per_example"}[loss_name]
     want = brute_update(params, grads, batch, mode, damping_mode)
+    for got_layer, want_layer in zip(updates, want):
+      for k in ("w", "b"):
+        assert rel_err(got_layer[k], want_layer[k]) < RTOL, (k, rel_err(
+            got_layer[k], want_layer[k]))
+
+
+@pytest.mark.parametrize("damping_mode", ["pi", "exact"])
+def test_size_policy_update_matches_brute_force_in_float64(damping_mode):
+  """The size policy through ``kfl.kfac``: with ``max_dense_side=4`` the
+  sides of 5 (layer 0's input with its bias, and its output) and 6 keep
+  only their diagonals and layer 1's output side of 3 stays dense; the
+  update is the brute-force damped inverse of ``diag(A) ⊗ G`` (and the
+  others) built from per-example Jacobians, in both damping modes."""
+  with x64_mode(True):
+    params, batch = params64(), batch64()
+    loss_fn, update = _update_fn("classifier", "exact", damping_mode, 4)
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = update(params, batch)
+    shapes = [tuple(s.cov.shape for s in b) for b in state.blocks.values()]
+    assert sorted(shapes) == [((1, 5), (1, 5)), ((1, 6), (1, 3, 3))], shapes
+    want = brute_update(params, grads, batch, "exact", damping_mode,
+                        max_dense_side=4)
     for got_layer, want_layer in zip(updates, want):
       for k in ("w", "b"):
         assert rel_err(got_layer[k], want_layer[k]) < RTOL, (k, rel_err(

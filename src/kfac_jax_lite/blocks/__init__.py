@@ -9,8 +9,8 @@ and the data their statistics consume (``LayerData``).
 from kfac_jax_lite.blocks._kron import KroneckerState
 from kfac_jax_lite.blocks.base import as_block  # noqa: F401 (not in __all__)
 from kfac_jax_lite.blocks.base import (
-    ACTIVATIONS, GRADIENTS, Block, FlatBlock, KroneckerBlock, LayerData,
-    check_block, state_bytes)
+    ACTIVATIONS, GRADIENTS, MAX_DENSE_SIDE, Block, FlatBlock, KroneckerBlock,
+    LayerData, check_block, state_bytes)
 from kfac_jax_lite.blocks.conv import KroneckerConv
 from kfac_jax_lite.blocks.dense import KroneckerDense
 from kfac_jax_lite.blocks.diagonal import DiagonalConv, DiagonalDense
@@ -29,7 +29,8 @@ __all__ = [
     "EkfacConv", "EkfacDense", "EkfacState", "FlatBlock",
     "Full", "GRADIENTS", "KroneckerBlock", "KroneckerConv", "KroneckerDense",
     "KroneckerEmbedding", "KroneckerState", "KroneckerVectorBlock",
-    "KroneckerVectorConv", "KroneckerVectorDense", "LayerData", "NaiveDiagonal",
+    "KroneckerVectorConv", "KroneckerVectorDense", "LayerData",
+    "MAX_DENSE_SIDE", "NaiveDiagonal",
     "ScaleAndShift", "SeriesDense", "SeriesState", "Stacked", "check_block",
     "eigen_corrected", "series_block", "state_bytes",
 ]

@@ -66,6 +66,15 @@ cotangents (``LayerData``)."""
 GRADIENTS = "gradients"
 """``Block.consumes`` of a block that reads per-parameter gradients."""
 
+MAX_DENSE_SIDE = 2048
+"""The size policy of the Kronecker blocks (``KroneckerDense``,
+``KroneckerConv``, ``KroneckerEmbedding``): a factor side larger than this
+keeps only its diagonal (``max_dense_side``, None: no limit). A dense side
+of ``n`` costs ``2n²`` floats (covariance and cached inverse) and ``~n³``
+FLOPs a refresh: at 50257 (GPT-2's vocabulary) 9.4 GiB and an hour on a
+CPU; its diagonal costs ``2n`` and ``n``. 2048 keeps every side of a
+768-wide transformer block but its 2304- and 3072-wide ones dense."""
+
 
 class LayerData(NamedTuple):
   """What was captured for one layer, in the form its block consumes.
@@ -87,6 +96,18 @@ class LayerData(NamedTuple):
   cotangents: Any = None
   weights: Any = None
   grads: Any = None
+
+
+def beyond_limit(side: int, max_dense_side: int | None) -> bool:
+  """Whether a factor side of ``side`` is over the size policy's limit."""
+  return max_dense_side is not None and side > max_dense_side
+
+
+def check_max_dense_side(limit, where):
+  if limit is not None and (isinstance(limit, bool)
+                            or not isinstance(limit, int) or limit < 1):
+    raise ValueError(f"{where}: max_dense_side must be a positive int or "
+                     f"None (no limit), got {limit!r}")
 
 
 def state_bytes(block) -> int:
@@ -326,16 +347,29 @@ def from_canonical(block, canon):
 class KroneckerBlock(Block):
   """``F = c · blockdiag_g(A_g ⊗ G_g)`` over the layout's ``[g, a, b]`` view.
 
-  Subclasses provide ``layout``, ``damping_mode``, ``renorm_coeff`` and
-  ``compute_stats``; ``input_diagonal`` says the input factor is diagonal.
+  Subclasses provide ``layout``, ``damping_mode``, ``renorm_coeff``,
+  ``max_dense_side`` and ``compute_stats``; ``input_diagonal`` and
+  ``output_diagonal`` say a factor keeps only its diagonal: a side larger
+  than ``max_dense_side`` does (``MAX_DENSE_SIDE``), so that
+  ``F ≈ c · diag(A) ⊗ G`` (or ``A ⊗ diag(G)``, ``diag(A) ⊗ diag(G)``).
   """
 
-  input_diagonal = False
   symmetric_stats: ClassVar[bool] = True  # A and G: covariances.
   # Provided by each subclass (dataclass fields or properties).
   layout: _layout.Layout
   damping_mode: str
   renorm_coeff: float
+  max_dense_side: int | None
+
+  @property
+  def input_diagonal(self) -> bool:
+    """Whether the input factor ``A`` keeps only its diagonal."""
+    return beyond_limit(self.layout.a, self.max_dense_side)
+
+  @property
+  def output_diagonal(self) -> bool:
+    """Whether the output factor ``G`` keeps only its diagonal."""
+    return beyond_limit(self.layout.b, self.max_dense_side)
 
   @property
   def param_shapes(self):
@@ -346,7 +380,8 @@ class KroneckerBlock(Block):
     """Shapes of the input and output factors (leading axis: groups)."""
     lay, g = self.layout, self.layout.groups
     a = (g, lay.a) if self.input_diagonal else (g, lay.a, lay.a)
-    return a, (g, lay.b, lay.b)
+    b = (g, lay.b) if self.output_diagonal else (g, lay.b, lay.b)
+    return a, b
 
   def init(self, dtype=jnp.float32) -> _kron.KroneckerState:
     lay = self.layout
@@ -354,8 +389,8 @@ class KroneckerBlock(Block):
     return _kron.KroneckerState(
         a=fac.init_factor(lay.a, diagonal=self.input_diagonal,
                           batch_shape=(lay.groups,), dtype=dtype, cache=cache),
-        g=fac.init_factor(lay.b, batch_shape=(lay.groups,), dtype=dtype,
-                          cache=cache))
+        g=fac.init_factor(lay.b, diagonal=self.output_diagonal,
+                          batch_shape=(lay.groups,), dtype=dtype, cache=cache))
 
   def update(self, state, stats, decay, weight=1.0):
     ok = fac.all_finite(stats)
@@ -394,6 +429,7 @@ class KroneckerBlock(Block):
     return from_canonical(self, _kron.to_dense(state, self.renorm_coeff))
 
   def check_damping_mode(self):
+    check_max_dense_side(self.max_dense_side, type(self).__name__)
     _kron.check_damping_mode(self.damping_mode, type(self).__name__)
     if not self.renorm_coeff > 0:
       raise ValueError(f"{type(self).__name__}: renorm_coeff must be > 0, "

@@ -227,13 +227,17 @@ class KroneckerConv(ConvConfig, base.KroneckerBlock):
   ``ConvDimensionNumbers``, a ``(lhs, rhs, out)`` string triple, or None
   for NCHW/OIHW); ``batch_group_count`` other than 1 is not supported.
   ``weight_sharing``: ``"expand"`` (KFC, the default) or ``"reduce"`` over
-  the output locations; ``repeats``: see ``ConvConfig``.
+  the output locations; ``repeats``: see ``ConvConfig``;
+  ``max_dense_side``: a factor side (a group's patch, ``window · in + 1``,
+  or its output channels) larger than this keeps only its diagonal
+  (``base.MAX_DENSE_SIDE``; None: no limit).
   Parameters: ``(kernel,)`` or ``(kernel, bias)`` with ``bias [out]``.
   """
 
   damping_mode: str = "pi"
   weight_sharing: str = "expand"
   renorm_coeff: float = 1.0
+  max_dense_side: int | None = base.MAX_DENSE_SIDE
 
   def __post_init__(self):
     self._setup()
@@ -246,7 +250,8 @@ class KroneckerConv(ConvConfig, base.KroneckerBlock):
     a, g, c, w = conv_data(self, inputs, cotangents, weights)
     # Each group is a dense layer shared over the locations.
     per_group = jax.vmap(
-        lambda ai, gi: dense.kronecker_stats(ai, gi, c, w,
-                                             self.weight_sharing),
+        lambda ai, gi: dense.kronecker_stats(
+            ai, gi, c, w, self.weight_sharing, self.input_diagonal,
+            self.output_diagonal),
         in_axes=(2, 3))(a, g)
     return jax.tree.map(lambda x: x[:, 0], per_group)

@@ -64,26 +64,39 @@ def dense_data(layout, inputs, cotangents, weights, where):
   return a, g, c, w
 
 
-def input_stats(a, w, weight_sharing):
-  """The input factor ``A`` [a, a] from ``a [N, R, a]`` and weights ``w``."""
+def _second_moment(x, y, diagonal):
+  """``base.gram(x, y)`` [n, n], or only its diagonal [n] (never forming
+  the ``n × n`` product)."""
+  if not diagonal:
+    return base.gram(x, y)
+  return jnp.sum((x * y).reshape(-1, x.shape[-1]), axis=0)
+
+
+def input_stats(a, w, weight_sharing, diagonal=False):
+  """The input factor ``A`` [a, a] (``diagonal``: its diagonal [a]) from
+  ``a [N, R, a]`` and weights ``w``."""
   if weight_sharing == "expand":
-    return base.gram(a * w[:, None, None], a) / a.shape[1]
+    return _second_moment(a * w[:, None, None], a, diagonal) / a.shape[1]
   a_bar = a.mean(axis=1)
-  return base.gram(a_bar * w[:, None], a_bar)
+  return _second_moment(a_bar * w[:, None], a_bar, diagonal)
 
 
-def output_stats(g, c, weight_sharing):
-  """The output factor ``G`` [b, b] from ``g [S, N, R, b]`` and ``c``."""
+def output_stats(g, c, weight_sharing, diagonal=False):
+  """The output factor ``G`` [b, b] (``diagonal``: its diagonal [b]) from
+  ``g [S, N, R, b]`` and ``c``."""
   if weight_sharing == "expand":
-    return base.gram(g * c[:, None, None], g) / g.shape[0]
+    return _second_moment(g * c[:, None, None], g, diagonal) / g.shape[0]
   g_hat = g.sum(axis=2)
-  return base.gram(g_hat * c[:, None], g_hat) / g.shape[0]
+  return _second_moment(g_hat * c[:, None], g_hat, diagonal) / g.shape[0]
 
 
-def kronecker_stats(a, g, c, w, weight_sharing):
-  """``KroneckerState``-shaped statistics ``(A [1, a, a], G [1, b, b])``."""
-  return _kron.KroneckerState(a=input_stats(a, w, weight_sharing)[None],
-                              g=output_stats(g, c, weight_sharing)[None])
+def kronecker_stats(a, g, c, w, weight_sharing, input_diagonal=False,
+                    output_diagonal=False):
+  """``KroneckerState``-shaped statistics ``(A [1, a, a], G [1, b, b])``
+  (a diagonal side: ``[1, a]`` or ``[1, b]``, its diagonal)."""
+  return _kron.KroneckerState(
+      a=input_stats(a, w, weight_sharing, input_diagonal)[None],
+      g=output_stats(g, c, weight_sharing, output_diagonal)[None])
 
 
 def check_weight_sharing(mode, where):
@@ -99,7 +112,9 @@ class KroneckerDense(base.KroneckerBlock):
   ``kernel_shape``: the kernel as stored; ``in_axes``: its axes contracted
   with the input (``(0,)`` for ``x @ W``, ``(1,)`` for ``x @ W.T``, several
   for einsum forms); the other axes are outputs, and the bias (if any) is
-  shaped like them. Parameters: ``(kernel,)`` or ``(kernel, bias)``.
+  shaped like them. ``max_dense_side``: a factor side larger than this
+  keeps only its diagonal (``base.MAX_DENSE_SIDE``; None: no limit).
+  Parameters: ``(kernel,)`` or ``(kernel, bias)``.
   """
 
   kernel_shape: tuple
@@ -108,6 +123,7 @@ class KroneckerDense(base.KroneckerBlock):
   damping_mode: str = "pi"
   weight_sharing: str = "expand"
   renorm_coeff: float = 1.0
+  max_dense_side: int | None = base.MAX_DENSE_SIDE
 
   def __post_init__(self):
     object.__setattr__(self, "kernel_shape", tuple(self.kernel_shape))
@@ -125,4 +141,4 @@ class KroneckerDense(base.KroneckerBlock):
     ``[(S,) N, *shared, *out_dims]`` (``∂ℓ_i/∂y``, S sampled targets)."""
     return kronecker_stats(
         *dense_data(self.layout, inputs, cotangents, weights, repr(self)),
-        self.weight_sharing)
+        self.weight_sharing, self.input_diagonal, self.output_diagonal)

@@ -31,7 +31,9 @@ from kfac_jax_lite.blocks import dense
 class KroneckerEmbedding(base.KroneckerBlock):
   """Kronecker block of an embedding table ``[vocab_size, dim]``.
 
-  Parameters: ``(table,)``.
+  ``max_dense_side``: an output factor (``dim``) larger than this keeps
+  only its diagonal (``base.MAX_DENSE_SIDE``; None: no limit); the input
+  factor is always diagonal. Parameters: ``(table,)``.
   """
 
   vocab_size: int
@@ -39,8 +41,11 @@ class KroneckerEmbedding(base.KroneckerBlock):
   damping_mode: str = "pi"
   weight_sharing: str = "expand"
   renorm_coeff: float = 1.0
+  max_dense_side: int | None = base.MAX_DENSE_SIDE
 
-  input_diagonal = True
+  @property
+  def input_diagonal(self) -> bool:
+    return True
 
   def __post_init__(self):
     self.check_damping_mode()
@@ -75,5 +80,6 @@ class KroneckerEmbedding(base.KroneckerBlock):
     big_a = jnp.zeros((self.vocab_size,), dtype).at[ids.ravel()].add(
         share.ravel(), mode="drop")
     g = g.reshape(g.shape[0], n, r, self.dim).astype(dtype)
-    big_g = dense.output_stats(g, c, self.weight_sharing)
+    big_g = dense.output_stats(g, c, self.weight_sharing,
+                               self.output_diagonal)
     return _kron.KroneckerState(a=big_a[None], g=big_g[None])

@@ -26,6 +26,10 @@ other kinds, with ``g`` groups (a grouped convolution's blocks) counted as
   statistics no sampled backward through the layer (its inputs are ids),
   ``A`` the counts ``m·P``, ``G`` ``2·m·P·b²``; precondition
   ``a·b + 2·a·b²``; refresh ``a + c·b³``.
+* A side over the size limit (``max_dense_side``) keeps its diagonal
+  ``n``: statistics ``2·m·P·n`` (squares summed), precondition ``a·b``
+  (a scaling), refresh ``n`` (reciprocals) instead of ``2·m·P·n²``,
+  ``2·n·a·b`` and ``c·n³``.
 * More square factors (the series blocks' two pairs) are each priced as a
   covariance, a product with the gradient and an inverse; an EK-FAC
   block's scaling ``[a, b]`` adds ``2·m·P·(a² + b² + a·b)`` to the
@@ -95,13 +99,15 @@ class Flops(NamedTuple):
 
 def kronecker(factors, m, *, positions=1.0, stats_m=None, slices=1, c=1.0,
               inverse_every: float = 10, cov_every=1, own_forward=False,
-              backward=True, eigenbasis=False, reduce=False) -> Flops:
+              backward=True, eigenbasis=False, reduce=False,
+              embedding=False) -> Flops:
   """The price of a Kronecker-family block (module docstring).
 
   Args:
     factors: its factor shapes, one slice, each with the groups axis first:
-      ``(g, a, a)`` or ``(g, a)`` (diagonal) first, then square ones and an
-      EK-FAC scaling ``(g, a, b)``; ``b`` is the last square factor's size.
+      ``(g, a, a)`` or ``(g, a)`` (diagonal) first, then the output side
+      (square or diagonal), further square ones, and an EK-FAC scaling
+      ``(g, a, b)``; ``b`` is the last side's size.
     m: the batch size ``M`` (examples).
     positions: ``P``, rows per example (all slices and uses).
     stats_m: the examples of the statistics (``M`` if None).
@@ -113,25 +119,35 @@ def kronecker(factors, m, *, positions=1.0, stats_m=None, slices=1, c=1.0,
     backward: the statistics take the sampled backward through the layer.
     eigenbasis: kept as eigendecompositions (EK-FAC, exact damping).
     reduce: ``weight_sharing="reduce"``.
+    embedding: an embedding (ids in: its diagonal ``A`` holds counts).
   """
   stats_m = m if stats_m is None else stats_m
   factors = [tuple(f) for f in factors]
   # EK-FAC: (A, G, scaling); the series blocks: two pairs; else (A, G).
   scaling = factors[2] if len(factors) == 3 else None
-  squares = [f for f in factors[:2 if scaling else None] if len(f) == 3]
+  sides = factors[:2] if scaling else factors
   g, a = factors[0][:2]
-  b = squares[-1][1]
-  embedding = len(factors[0]) == 2  # A diagonal: ids in.
+  b = sides[-1][1]
   rows = stats_m * positions  # Rows the statistics see (all slices).
   c = EIGH_COST if eigenbasis else c
   if embedding:
     sgd, forward, through = m * positions * g * b, 0.0, 0.0
-    stats, precondition, refresh = rows * g, g * a * b, g * a
   else:
     sgd, forward = 6 * m * positions * g * a * b, 2 * rows * g * a * b
     through = forward if backward else 0.0
-    stats = precondition = refresh = 0.0
-  for _, n, _ in squares:
+  stats = precondition = refresh = 0.0
+  for i, side in enumerate(sides):
+    n = side[1]
+    if len(side) == 2:  # A diagonal side: counts, or squares summed.
+      if embedding and i == 0:
+        stats += rows * g
+      elif reduce:
+        stats += stats_m * positions * g * n + 2 * stats_m * g * n
+      else:
+        stats += 2 * rows * g * n
+      precondition += g * a * b
+      refresh += g * n
+      continue
     if reduce:  # Rows summed first, then one row per example.
       stats += stats_m * positions * g * n + 2 * stats_m * g * n * n
     else:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import math
 from typing import Any
 
 import chex
@@ -55,8 +56,12 @@ class Table(list):
     out = [line(self.COLUMNS), line(["-" * w for w in widths])]
     out += [line(r) for r in cells]
     total = self.total_bytes
+    params = sum(r.get("param_bytes", 0) for r in self)
+    ratio = f", {total / params:.2f}x the parameters'" if params else ""
+    big = sorted(self, key=lambda r: -r["bytes"])[:3]
+    largest = ", ".join(f"{r['name']} {_human(r['bytes'])}" for r in big)
     out.append(f"{len(self)} blocks, {total} bytes of state "
-               f"({total / 2**20:.1f} MiB)")
+               f"({total / 2**20:.1f} MiB{ratio}; largest: {largest})")
     if self.price_line:
       out.append(self.price_line)
     if self.plan is not None:
@@ -118,17 +123,47 @@ def rows(tagged, pricing=None):
   for l in tagged.layers:
     block = B.as_block(l.block).one_slice
     positions = tagged.positions(l)
+    notes = "; ".join(n for n in (l.notes, size_note(block, l.stack)) if n)
     row = Row(
         name=l.name, kind=l.kind, block=type(block).__name__,
         params=tuple(l.params),
         factors=tuple(tuple(s) for s in block.factor_shapes),
         sharing=_sharing(l, block), bytes=B.state_bytes(l.block),
-        uses=l.uses, stack=l.stack, notes=l.notes, positions=positions)
+        param_bytes=4 * sum(math.prod(s) for s in l.block.param_shapes),
+        uses=l.uses, stack=l.stack, notes=notes, positions=positions)
     row["flops"] = (None if pricing is None else
                     block_flops(row, l, block, **pricing))
     table.append(row)
   table.loss_lines = loss_lines(tagged)
   return table
+
+
+def size_note(block, stack=None):
+  """What the size policy did to a Kronecker ``block`` (one slice): each
+  side kept as its diagonal because it is over ``max_dense_side``
+  (``blocks.MAX_DENSE_SIDE``), with what the dense side would have cost;
+  empty for every other block."""
+  if not isinstance(block, B.KroneckerBlock) or block.max_dense_side is None:
+    return ""
+  lay, parts = block.layout, []
+  sides = (("A", lay.a, block.input_diagonal
+            and not isinstance(block, B.KroneckerEmbedding)),
+           ("G", lay.b, block.output_diagonal))
+  for name, n, diagonal in sides:
+    if diagonal:
+      dense = 2 * 4 * lay.groups * n * n * (stack or 1)
+      parts.append(f"{name} diagonal: side {n} > max_dense_side="
+                   f"{block.max_dense_side} (dense: {_human(dense)} and "
+                   f"~{lay.groups * n ** 3 * (stack or 1):.1e} FLOPs a "
+                   "refresh)")
+  return "; ".join(parts)
+
+
+def _human(n):  # As optimizers._memory.human (layers apart: no import).
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.1f} {unit}"
+  return f"{n} B"
 
 
 def block_flops(row, layer, block, *, m, stats_m, inverse_every, cov_every,
@@ -152,7 +187,9 @@ def block_flops(row, layer, block, *, m, stats_m, inverse_every, cov_every,
   eigen = isinstance(block, B.EigenCorrected) or damping_mode == "exact"
   return _cost.kronecker(factors, m, eigenbasis=eigen,
                          reduce=getattr(block, "weight_sharing", None)
-                         == "reduce", **common)
+                         == "reduce",
+                         embedding=isinstance(block, B.KroneckerEmbedding),
+                         **common)
 
 
 def loss_lines(tagged):

@@ -32,15 +32,15 @@ def _t(x):
 
 
 def to_basis(m, qa, qg):
-  """``Q_Aᵀ M Q_G`` per group (``qa`` None: the identity)."""
+  """``Q_Aᵀ M Q_G`` per group (``qa`` or ``qg`` None: the identity)."""
   m = m if qa is None else _t(qa) @ m
-  return m @ qg
+  return m if qg is None else m @ qg
 
 
 def from_basis(m, qa, qg):
-  """``Q_A M Q_Gᵀ`` per group (``qa`` None: the identity)."""
+  """``Q_A M Q_Gᵀ`` per group (``qa`` or ``qg`` None: the identity)."""
   m = m if qa is None else qa @ m
-  return m @ _t(qg)
+  return m if qg is None else m @ _t(qg)
 
 
 def power_step(c, q_old):
@@ -103,14 +103,17 @@ def rebase_moments(m, v, old, new, nu_rebase="project"):
   ra, rg = rs
   m = to_basis(m, ra, rg)
   if nu_rebase == "project":
-    v = to_basis(v, None if ra is None else ra ** 2, rg ** 2)
+    v = to_basis(v, None if ra is None else ra ** 2,
+                 None if rg is None else rg ** 2)
   return m, v
 
 
 def shampoo_stats(block, vectors):
   """SOAP's statistics of one gradient: ``M Mᵀ`` and ``Mᵀ M`` of its
   ``[groups, a, b]`` matrix ``M`` (the diagonal of ``M Mᵀ`` where the
-  block's input factor is diagonal, as an embedding's)."""
+  block's input factor is diagonal, as an embedding's or a side over the
+  size limit; the diagonal of ``Mᵀ M`` where its output factor is)."""
   m = block.layout.to_mat(tuple(vectors))
   a = (jnp.sum(m * m, -1) if block.input_diagonal else m @ _t(m))
-  return B.KroneckerState(a=a, g=_t(m) @ m)
+  g = (jnp.sum(m * m, -2) if block.output_diagonal else _t(m) @ m)
+  return B.KroneckerState(a=a, g=g)

@@ -133,6 +133,7 @@ from kfac_jax_lite.optimizers._eigenbasis import (
     shampoo_stats, to_basis)
 from kfac_jax_lite.optimizers import _eigen_guard
 from kfac_jax_lite.optimizers import _find
+from kfac_jax_lite.optimizers import _memory
 from kfac_jax_lite.optimizers import _pending
 from kfac_jax_lite.optimizers import options as O
 from kfac_jax_lite.optimizers import transform
@@ -349,6 +350,7 @@ def _init(cfg: _EigenAdam, params) -> EigenAdamState:
                               "kfl.eigen_adam")
   leaves = jax.tree.leaves(params)
   layers = _rotated(tagged)
+  _memory.check_fits(layers, params, "kfl.eigen_adam")
   covered = {i for l in layers for i in l.leaves}
   states = {l.name: l.block.init(float_dtype(
       [leaves[i] for i in l.leaves])) for l in layers}

@@ -99,6 +99,7 @@ from kfac_jax_lite.optimizers import _pending
 from kfac_jax_lite.optimizers import _planning
 from kfac_jax_lite.optimizers import _health_state
 from kfac_jax_lite.optimizers import _layouts
+from kfac_jax_lite.optimizers import _memory
 from kfac_jax_lite.optimizers import _restore_check
 from kfac_jax_lite.optimizers import _sharded_step
 from kfac_jax_lite.optimizers import options as O
@@ -339,6 +340,8 @@ def _init(cfg: _Kfac, params) -> KfacState:
   if refused:
     raise ValueError("kfl.kfac: the first step would fail on the example "
                      f"batch (see kfl.describe): {refused}")
+  if cfg.layout != "sharded":  # Sharded: each device holds its share.
+    _memory.check_fits(tagged.layers, params, "kfl.kfac")
   leaves = jax.tree.leaves(params)
   zero = lambda: jnp.zeros((), jnp.int32)  # Own buffers: donatable.
   blocks = {l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))

@@ -1,0 +1,78 @@
+"""The curvature state's memory, checked before ``tx.init`` allocates it.
+
+``check_fits(layers, params, where)`` prices the blocks' states by their
+shapes alone (``jax.eval_shape``: nothing is allocated) and refuses, with
+the fixes named, a state that together with the parameters, their
+gradients and the update (three more copies of the parameters) would not
+fit the memory of the device the parameters live on: a GPU's
+``bytes_limit``, or the host's physical memory on a CPU.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+
+from kfac_jax_lite.factor import float_dtype
+
+
+def device_bytes(leaves) -> int | None:
+  """The memory of the device holding ``leaves`` (the first one's, or the
+  default device): ``memory_stats()["bytes_limit"]`` where the backend
+  reports it, else the host's physical memory; None where neither is
+  known."""
+  try:
+    device = next(iter(leaves[0].devices())) if leaves and hasattr(
+        leaves[0], "devices") else jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if stats.get("bytes_limit"):
+      return int(stats["bytes_limit"])
+  except Exception:  # Tracers, backends without stats: the host below.
+    pass
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def _bytes(tree) -> int:
+  return sum(math.prod(x.shape) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def human(n: float) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.1f} {unit}"
+  return f"{int(n)} B"
+
+
+def check_fits(layers, params, where, limit=None):
+  """``ValueError`` when the blocks of ``layers`` (``tagging.Layer``s with
+  their blocks) would need more memory, with ``params`` and three copies of
+  them, than the device has (``limit``: its bytes, ``device_bytes`` if
+  None); the message gives the state's bytes, its largest blocks and the
+  fixes."""
+  leaves = jax.tree.leaves(params)
+  limit = device_bytes(leaves) if limit is None else limit
+  if not limit:
+    return
+  sizes = {l.name: _bytes(jax.eval_shape(
+      lambda l=l: l.block.init(float_dtype([leaves[i] for i in l.leaves]))))
+           for l in layers}
+  state, param_bytes = sum(sizes.values()), _bytes(params)
+  if state + 4 * param_bytes <= limit:
+    return
+  largest = sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+  raise ValueError(
+      f"{where}: the curvature state needs {human(state)} "
+      f"({state / max(param_bytes, 1):.1f}x the parameters' "
+      f"{human(param_bytes)}), which with the parameters, gradients and "
+      f"update does not fit the device's {human(limit)}; largest blocks: "
+      + ", ".join(f"{n} {human(b)}" for n, b in largest)
+      + ". Keep large factor sides diagonal (blocks={'dense': "
+      "{'max_dense_side': 1024}}, or per layer by path), give those layers "
+      "cheaper blocks (blocks={'<path>': 'diagonal'}) or exclude= them, or "
+      "spread the state over devices (layout='sharded'); kfl.describe "
+      "prints every block's bytes")
