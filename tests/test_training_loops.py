@@ -15,8 +15,9 @@ tiny MLP and one fixed batch; the loss must fall.
 * Haiku ``transform_with_state`` with the state in the batch;
 * ``optax.multi_transform`` freezing a layer: K-FAC outside with
   ``exclude=``; inside, a clear refusal;
-* ``optax.MultiSteps`` around a loop with ``kfl.with_batch``, and the finder
-  of ``stats_due``/``health`` through every combinator.
+* ``optax.MultiSteps`` refused at ``init`` (the accumulation pattern
+  named), and the finder of ``stats_due``/``health`` through every
+  combinator.
 
 Orbax checkpoints: ``tests/test_checkpoints.py``.
 """
@@ -178,8 +179,8 @@ def test_train_state_step_compiles_once(name, style):
 
 def test_stored_batch_read_at_run_time():
   """Where the update gets the state as an argument of the trace, with no
-  ``with_batch`` in it (a jitted update; ``optax.MultiSteps``, whose
-  ``lax.cond`` passes the state on), what is stored is only known at run
+  ``with_batch`` in it (a jitted update taking the state as an argument),
+  what is stored is only known at run
   time: both paths are compiled, the stored one runs, and an update with
   nothing stored is skipped and counted, ``kfl.health`` naming the fix."""
   _, params, loss_fn = _linen()
@@ -208,28 +209,6 @@ def test_stored_batch_read_at_run_time():
   with pytest.raises(ValueError, match=r"kfl\.with_batch\(state\.opt_state"):
     tx.update(grads, dropped, params)
 
-  # MultiSteps with the one-pass statistics: the statistics' path.
-  from flax.training import train_state
-  model, params, loss_fn = _linen()
-  tx = optax.MultiSteps(optax.chain(kfl.kfac(loss_fn, BATCH, cov_every=1),
-                                    optax.sgd(0.1)), every_k_schedule=2)
-  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=tx)
-  est_fn = kfl.value_grad_and_stats(loss_fn, params, BATCH)
-  traces.clear()
-
-  @jax.jit
-  def train_step(state, batch, key):
-    traces.append(1)
-    est = est_fn(state.params, batch, key)
-    state = state.replace(opt_state=kfl.with_stats(state.opt_state, est))
-    return state.apply_gradients(grads=est.grads)
-
-  for i in range(4):
-    state = train_step(state, BATCH, jax.random.PRNGKey(i))
-  h = kfl.health(state.opt_state)
-  assert h.steps == 2 and h.num_losses == 2 and h.missing == 0, str(h)
-  assert len(traces) == 1
 
 
 def test_train_state_without_batch_names_the_fix():
@@ -555,21 +534,27 @@ def test_kfac_inside_a_mask_is_refused_naming_exclude(wrap):
 # ------------------------------------------------------------ MultiSteps
 
 
-def test_multisteps_with_batch_and_finders_through_combinators():
+@pytest.mark.parametrize("entry", ["kfac", "kfac_optimizer", "eigen_adam"])
+def test_multisteps_is_refused_at_init_naming_the_accumulation(entry):
+  """``optax.MultiSteps`` runs its inner update on every micro-step and
+  keeps one in k: every K-FAC entry refuses it at ``init`` (from a
+  TrainState too), naming the accumulation pattern, instead of paying its
+  statistics, refresh and preconditioning k times (issue 48.6)."""
   from flax.training import train_state
   model, params, loss_fn = _linen()
-  tx = optax.MultiSteps(optax.chain(kfl.kfac(loss_fn, BATCH),
-                                    optax.sgd(0.1, momentum=0.9)),
-                        every_k_schedule=2)
-  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                        tx=tx)
-  state, losses = _train_state_losses(state, loss_fn, 2 * STEPS)
-  _falls(losses)
-  assert kfl.health(state.opt_state).steps == STEPS  # One per emitted step.
-  # Read through MultiSteps: due on the plan's statistics steps.
-  plan = kfl.describe(loss_fn, params, BATCH).plan
-  assert bool(kfl.stats_due(state.opt_state)) == (
-      STEPS % plan.cov_every == 0)
+  inner = getattr(kfl, entry)(loss_fn, BATCH)
+  tx = optax.MultiSteps(inner if entry == "kfac_optimizer" else
+                        optax.chain(inner, optax.sgd(0.1)), every_k_schedule=2)
+  with pytest.raises(ValueError, match="inside optax.MultiSteps.*Accumulate "
+                     "the gradient"):
+    train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  with pytest.raises(ValueError, match=r"Gradient accumulation"):
+    tx.init(params)
+  inner.init(params)  # The same transform outside MultiSteps is fine.
+
+
+def test_finders_through_combinators():
+  _, params, loss_fn = _linen()
   # One finder for every combinator that holds the state.
   for wrapped in (optax.apply_if_finite(optax.chain(kfl.kfac(loss_fn, BATCH)),
                                         3),

@@ -15,6 +15,7 @@ layer names and counters read the same whichever way the tree was built.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -97,3 +98,31 @@ def check_unmasked(params, where: str) -> None:
         f"{where}(loss_fn, batch, exclude=[...frozen paths...]), "
         "optax.multi_transform({'train': optax.sgd(lr), 'frozen': "
         "optax.set_to_zero()}, labels))")
+
+
+def check_not_in_multisteps(where: str) -> None:
+  """Refuses an ``init`` called by ``optax.MultiSteps`` (found among the
+  callers' frames): MultiSteps runs its inner ``update`` on every
+  micro-step and keeps one result in k, so K-FAC's statistics, refresh and
+  preconditioning would be paid k times per update (4.3-5.8x the work of k
+  SGD micro-steps plus one K-FAC step, ``benchmarks/multisteps.py``). The
+  error names the accumulation pattern that pays them once."""
+  frame = inspect.currentframe()
+  try:
+    f = frame.f_back if frame is not None else None
+    for _ in range(16):
+      if f is None:
+        return
+      if isinstance(f.f_locals.get("self"), optax.MultiSteps):
+        raise ValueError(
+            f"{where} inside optax.MultiSteps would run its whole update "
+            "(statistics, refresh, preconditioning) on every micro-step and "
+            "discard k-1 of them. Accumulate the gradient in your step "
+            "instead and call tx.update once per k micro-batches: "
+            "grads = mean of jax.grad(loss_fn)(params, b) over the "
+            "micro-batches b (a lax.scan), then tx.update(grads, state, "
+            "params, batch=last_micro_batch) (docs/guide.md, 'Gradient "
+            "accumulation')")
+      f = f.f_back
+  finally:
+    del frame

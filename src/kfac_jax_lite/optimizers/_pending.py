@@ -19,8 +19,8 @@ README's loops) it is known there, as it is eagerly: the update takes the
 stored batch's path or the statistics' path, and with nothing stored it
 raises the error naming the fix (``missing``). Where the state reaches
 ``update`` as an argument of a trace (a jitted step that forgot
-``with_batch`` or called it outside; ``optax.MultiSteps``, whose
-``lax.cond`` passes the state on) ``kind`` is only known at run time:
+``with_batch`` or called it outside; a ``lax.cond`` or ``lax.scan`` of
+the user's that passes the state on) ``kind`` is only known at run time:
 both paths are compiled under a ``lax.switch`` and an update with nothing
 stored is skipped (a zero update, the state unchanged) and counted in
 ``num_missing`` (``kfl.health`` reports it), as K-FAC's other faults are.
@@ -88,8 +88,7 @@ def missing(where: str, what: str = "batch= (or precomputed stats=)") -> str:
   return (
       f"{where} needs {what}. In a plain optax loop: tx.update(grads, "
       "opt_state, params, batch=batch). Where the loop calls tx.update "
-      "without extra arguments (flax TrainState.apply_gradients, "
-      "optax.MultiSteps in such a loop), store it in the state first: "
+      "without extra arguments (flax TrainState.apply_gradients), store it in the state first: "
       "state.replace(opt_state=kfl.with_batch(state.opt_state, batch))"
       ".apply_gradients(grads=grads) (kfl.with_stats for one-pass "
       "statistics); nnx.Optimizer passes keyword arguments: "
@@ -102,9 +101,9 @@ def stored(update: Callable, state, batch, stats, loss, needs: str | None):
   what ``state.pending`` stores (module docstring). ``update`` gets the
   state without its slot and its new state gets the slot back, so the
   slot never enters the update's own work (a ``shard_map``'s specs, a
-  ``lax.cond``) and comes out as it came in: ``optax.MultiSteps``, which
-  selects between the old and the new state leaf by leaf, and ``lax.scan``
-  carries keep one structure.
+  ``lax.cond``) and comes out as it came in: a ``lax.cond`` that selects
+  between the old and the new state, and ``lax.scan`` carries, keep one
+  structure.
 
   ``needs``: what ``update`` cannot do without, for the run-time choice:
   ``"one"`` (a batch or statistics: ``kfl.kfac``, ``kfl.eigen_adam``),

@@ -344,6 +344,7 @@ def _rotated(tagged):
 def _init(cfg: _EigenAdam, params) -> EigenAdamState:
   params = _find.unwrap(params)  # nnx.Optimizer inits on Variables.
   _find.check_unmasked(params, "kfl.eigen_adam")
+  _find.check_not_in_multisteps("kfl.eigen_adam")
   tagged = cfg.layers(params)
   if cfg.adam.basis == "kfac":
     estimators.check_has_loss(tagged, cfg.curvature.estimation,

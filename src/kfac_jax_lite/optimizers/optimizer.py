@@ -375,6 +375,7 @@ class _Optimizer(NamedTuple):
 def _init(cfg: _Optimizer, params) -> KfacOptimizerState:
   params = _find.unwrap(params)  # nnx.Optimizer inits on Variables.
   _find.check_unmasked(params, "kfl.kfac_optimizer")
+  _find.check_not_in_multisteps("kfl.kfac_optimizer")
   cfg.tagged(params)  # Refuse a loss_fn without a loss here, not at a step.
   zeros = jax.tree.map(jnp.zeros_like, params)
   scalar = lambda x: jnp.asarray(x, float_dtype(params))

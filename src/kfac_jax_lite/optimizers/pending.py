@@ -1,9 +1,8 @@
 """``kfl.with_batch`` and ``kfl.with_stats``: the next update's batch (or
 one-pass statistics) carried in the optax state, for training loops that
 call ``tx.update(grads, opt_state, params)`` with nothing else (flax's
-``TrainState.apply_gradients``, ``optax.MultiSteps`` under a loop that
-passes no extra arguments, any hand-written step that only threads the
-state).
+``TrainState.apply_gradients``, any hand-written step that only threads
+the state).
 
     state = state.replace(opt_state=kfl.with_batch(state.opt_state, batch))
     state = state.apply_gradients(grads=grads)
@@ -20,8 +19,8 @@ and of its statistics (``_pending.empty``), so storing a batch of the
 example batch's shapes keeps the state's structure, shapes and dtypes: a
 jitted step compiles once (the slot used to be None until the first step
 filled it, and the second call compiled again). ``update`` returns the slot
-as it came in, so ``optax.MultiSteps`` (which selects between the old and
-new inner state leaf by leaf) and ``lax.scan`` carries work. A batch of
+as it came in, so a ``lax.cond`` that selects between the old and new
+state and ``lax.scan`` carries work. A batch of
 another size takes the slot's place with its own shapes: the step compiles
 for them, as any jit does for new shapes (twice: the first call still sees
 the slot's old ones). An update with nothing stored is a trace-time error

@@ -331,6 +331,7 @@ def _init(cfg: _Kfac, params) -> KfacState:
   c = cfg.curvature
   params = _find.unwrap(params)  # nnx.Optimizer inits on Variables.
   _find.check_unmasked(params, "kfl.kfac")
+  _find.check_not_in_multisteps("kfl.kfac")
   tagged = cfg.layers(params)
   estimators.check_has_loss(tagged, c.estimation, "kfl.kfac")
   refused, stats = estimators.first_step_check(
