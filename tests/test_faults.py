@@ -184,14 +184,19 @@ def test_eigen_adam_survives_a_nan_batch_and_health_reads_it(basis):
       "kfac: recovered after 1 bad batch at step 3"), str(h)
 
 
-@pytest.mark.parametrize("cov_every", [1, 2])
-def test_eigen_adam_with_batch_reads_its_own_pass_loss_and_labels(cov_every):
-  """``eigen_adam(basis="kfac")`` stepped with ``batch=`` computes the
-  statistics itself: that pass's loss reaches ``kfl.health`` (on the steps
-  it runs) and a label outside the classes skips the step, factors and
-  moments kept, counted as a bad input (it used to train on the wrapped
-  label with health "ok", "loss not seen")."""
-  ea = optax.chain(kfl.eigen_adam(loss_fn, BATCH, cov_every=cov_every),
+@pytest.mark.parametrize("basis,cov_every", [("kfac", 1), ("kfac", 2),
+                                             ("shampoo", 2)])
+def test_eigen_adam_with_batch_reads_its_own_pass_loss_and_labels(
+    basis, cov_every):
+  """``eigen_adam`` stepped with ``batch=`` evaluates the loss on it on
+  its statistics steps (``"kfac"``: in its statistics pass; ``"shampoo"``,
+  whose statistics come from the gradient: in a forward pass of its own,
+  issue 48.5): that loss reaches ``kfl.health`` and a label outside the
+  classes skips the step, factors and moments kept, counted as a bad
+  input (it used to train on the wrapped label with health "ok", "loss
+  not seen")."""
+  ea = optax.chain(kfl.eigen_adam(loss_fn, BATCH, cov_every=cov_every,
+                                  basis=basis),
                    optax.scale_by_learning_rate(1e-2))
 
   @jax.jit

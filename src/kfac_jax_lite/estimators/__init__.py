@@ -131,6 +131,7 @@ from kfac_jax_lite.estimators._estimate import Estimate as Estimate
 from kfac_jax_lite.estimators._estimate import estimate as estimate
 from kfac_jax_lite.estimators._estimate import RUN_ENTRY as RUN_ENTRY
 from kfac_jax_lite.estimators._estimate import split_run as split_run
+from kfac_jax_lite.estimators._estimate import checked_loss as checked_loss
 from kfac_jax_lite.estimators._estimate import (
     linearized_outputs as linearized_outputs)
 from kfac_jax_lite.estimators._fraction import (

@@ -33,6 +33,15 @@ def split_run(stats):
           stats[RUN_ENTRY])
 
 
+def checked_loss(tagged, params, batch):
+  """``(loss, bad targets)`` of one forward pass of the tagged loss on
+  ``batch`` (no gradient, no statistics): what the run entry of an
+  ``Estimate`` holds, for an update that has a batch but no pass of its
+  own over it (``kfl.eigen_adam(basis="shampoo")`` with ``batch=``)."""
+  loss, _, caps = tagged.apply(params, batch, tagged.zero_probes(params, batch))
+  return loss, bad_targets(tagged, caps).astype(float_dtype(loss.dtype))
+
+
 def bad_targets(tagged, caps):
   """int32: the targets of every registered loss outside its
   distribution's support (``PredictiveDistribution.bad_targets``)."""

@@ -254,8 +254,10 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     (``basis="kfac"`` needs ``batch=`` or ``stats=``, an
     ``Estimate.stats`` of ``kfl.value_grad_and_stats``). The loss the
     guard and ``kfl.health`` read is ``loss=``, else the run entry of
-    ``stats=``, else (``basis="kfac"`` with ``batch=``) the statistics
-    pass's, whose labels are checked too; other keyword arguments are
+    ``stats=``, else (with ``batch=``, on the statistics steps: every
+    ``cov_every``) the loss on ``batch=``, whose labels are checked too
+    (``"kfac"``: its statistics pass; ``"shampoo"``: a forward pass of its
+    own); other keyword arguments are
     accepted and not used.
 
   References:
@@ -495,6 +497,13 @@ def _fold(cfg: _EigenAdam, s: _Step, blocks):
            for l in s.layers}
     if c.axis_name is not None:
       new = jax.lax.pmean(new, c.axis_name)
+    if s.batch is not None:  # Its loss and labels, as "kfac"'s pass has.
+      loss, bad = estimators.checked_loss(s.tagged, s.params, s.batch)
+      if c.axis_name is not None:
+        loss, bad = jax.lax.pmean((loss, bad), c.axis_name)
+      dtype = float_dtype(s.params)
+      own = (jnp.asarray(loss, dtype), jnp.asarray(bad, dtype),
+             jnp.ones((), bool))
   elif s.stats is not None:
     new = jax.lax.pmean(s.stats, c.axis_name) if c.axis_name else s.stats
   else:
