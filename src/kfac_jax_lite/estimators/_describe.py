@@ -23,8 +23,9 @@ class Row(dict):
   (factor shapes), ``sharing`` (the weight-sharing convention of a
   Kronecker block: ``"expand"``/``"reduce"``, ``"expand (rows)"`` for a
   layer whose input rows are the uses, ``"-"`` otherwise), ``bytes`` (state
-  bytes), ``uses``, ``stack``, ``notes`` (the fallback reason for
-  fallbacks), ``positions`` (rows per example the parameters write, all
+  bytes), ``param_bytes`` (its parameters' bytes in float32), ``uses``,
+  ``stack``, ``notes`` (the fallback reason for fallbacks; what the size
+  policy made diagonal, ``size_note``), ``positions`` (rows per example the parameters write, all
   uses, scan steps and slices: ``TaggedLoss.positions``; None for a
   fallback) and ``flops`` (the block's price per step, an
   ``estimators._cost.Flops``: ``sgd``, ``statistics``, ``precondition``,
@@ -59,9 +60,10 @@ class Table(list):
     params = sum(r.get("param_bytes", 0) for r in self)
     ratio = f", {total / params:.2f}x the parameters'" if params else ""
     big = sorted(self, key=lambda r: -r["bytes"])[:3]
-    largest = ", ".join(f"{r['name']} {_human(r['bytes'])}" for r in big)
+    largest = ("; largest: " + ", ".join(
+        f"{r['name']} {_human(r['bytes'])}" for r in big)) if big else ""
     out.append(f"{len(self)} blocks, {total} bytes of state "
-               f"({total / 2**20:.1f} MiB{ratio}; largest: {largest})")
+               f"({total / 2**20:.1f} MiB{ratio}{largest})")
     if self.price_line:
       out.append(self.price_line)
     if self.plan is not None:
