@@ -49,6 +49,7 @@ independent copies of a block (a layer stacked along ``lax.scan``).
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from typing import Any, Callable, ClassVar, NamedTuple
 
@@ -111,7 +112,17 @@ def check_max_dense_side(limit, where):
 
 
 def state_bytes(block) -> int:
-  """Bytes of the block's state (float32 factors)."""
+  """Bytes of the block's state (float32 factors), from its shapes alone
+  (``jax.eval_shape``); remembered per block, so the repeated layers of a
+  deep model are priced once."""
+  try:
+    return _state_bytes(block)
+  except TypeError:  # An unhashable (duck-typed) block.
+    return _state_bytes.__wrapped__(block)
+
+
+@functools.lru_cache(maxsize=1024)
+def _state_bytes(block) -> int:
   shapes = jax.eval_shape(block.init)
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 

@@ -58,9 +58,19 @@ def check_fits(layers, params, where, limit=None):
   limit = device_bytes(leaves) if limit is None else limit
   if not limit:
     return
-  sizes = {l.name: _bytes(jax.eval_shape(
-      lambda l=l: l.block.init(float_dtype([leaves[i] for i in l.leaves]))))
-           for l in layers}
+  priced: dict = {}  # Repeated layers (equal blocks) priced once.
+
+  def price(l):
+    dtype = float_dtype([leaves[i] for i in l.leaves])
+    fn = lambda: _bytes(jax.eval_shape(lambda: l.block.init(dtype)))
+    try:
+      key = (l.block, jax.numpy.dtype(dtype))
+      if key not in priced:
+        priced[key] = fn()
+      return priced[key]
+    except TypeError:  # An unhashable (duck-typed) block.
+      return fn()
+  sizes = {l.name: price(l) for l in layers}
   state, param_bytes = sum(sizes.values()), _bytes(params)
   if state + 4 * param_bytes <= limit:
     return
