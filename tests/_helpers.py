@@ -339,3 +339,14 @@ def kfl_run_entry():
 def block_stats(stats):
   """``stats`` without the run entry (``kfl_run_entry``)."""
   return {k: v for k, v in stats.items() if k != kfl_run_entry()}
+
+
+def two_layer_classifier_loss(p, b):
+  """The 5-6-C tanh classifier of the fault tests (``test_faults``,
+  ``test_planted_edges``): params ``{"l0", "l1"}: {"w", "b"}``, batch
+  ``{"x", "y"}``, optax's integer-label cross-entropy, a mean."""
+  import optax  # Only these tests need it here.
+  h = jnp.tanh(b["x"] @ p["l0"]["w"] + p["l0"]["b"])
+  logits = h @ p["l1"]["w"] + p["l1"]["b"]
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, b["y"]).mean()

@@ -35,6 +35,7 @@ import pytest
 
 import kfac_jax_lite as kfl
 from kfac_jax_lite.optimizers import health as health_mod
+from _helpers import two_layer_classifier_loss
 
 CLASSES = 3
 N = 16
@@ -52,11 +53,7 @@ def _problem(dtype=jnp.float32):
   return params, {"x": x, "y": y}
 
 
-def loss_fn(p, b):
-  h = jnp.tanh(b["x"] @ p["l0"]["w"] + p["l0"]["b"])
-  logits = h @ p["l1"]["w"] + p["l1"]["b"]
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits, b["y"]).mean()
+loss_fn = two_layer_classifier_loss
 
 
 PARAMS, BATCH = _problem()

@@ -37,7 +37,8 @@ from kfac_jax_lite.optimizers import health as health_mod
 from kfac_jax_lite.optimizers import optimizer as opt_mod
 
 import _brute
-from _helpers import assert_rounding_close, flat, x64_mode
+from _helpers import (assert_rounding_close, flat, two_layer_classifier_loss,
+                      x64_mode)
 
 CLASSES = 3
 N = 16
@@ -56,11 +57,7 @@ def _problem(dtype=np.float32):
           {"x": jnp.asarray(x), "y": jnp.asarray(y)})
 
 
-def loss_fn(p, b):
-  h = jnp.tanh(b["x"] @ p["l0"]["w"] + p["l0"]["b"])
-  logits = h @ p["l1"]["w"] + p["l1"]["b"]
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits, b["y"]).mean()
+loss_fn = two_layer_classifier_loss
 
 
 PARAMS, BATCH = _problem()

@@ -73,8 +73,9 @@ MAX_DENSE_SIDE = 2048
 keeps only its diagonal (``max_dense_side``, None: no limit). A dense side
 of ``n`` costs ``2n²`` floats (covariance and cached inverse) and ``~n³``
 FLOPs a refresh: at 50257 (GPT-2's vocabulary) 9.4 GiB and an hour on a
-CPU; its diagonal costs ``2n`` and ``n``. 2048 keeps every side of a
-768-wide transformer block but its 2304- and 3072-wide ones dense."""
+CPU; its diagonal costs ``2n`` and ``n``. At 2048 a 768-wide transformer
+block keeps its 768- and 769-wide sides dense and its 2304- and
+3072-wide ones diagonal."""
 
 
 class LayerData(NamedTuple):
@@ -439,7 +440,9 @@ class KroneckerBlock(Block):
   def to_dense(self, state):
     return from_canonical(self, _kron.to_dense(state, self.renorm_coeff))
 
-  def check_damping_mode(self):
+  def check_options(self):
+    """``ValueError`` for a bad ``damping_mode``, ``renorm_coeff`` or
+    ``max_dense_side`` (each subclass's ``__post_init__``)."""
     check_max_dense_side(self.max_dense_side, type(self).__name__)
     _kron.check_damping_mode(self.damping_mode, type(self).__name__)
     if not self.renorm_coeff > 0:

@@ -241,7 +241,7 @@ class KroneckerConv(ConvConfig, base.KroneckerBlock):
 
   def __post_init__(self):
     self._setup()
-    self.check_damping_mode()
+    self.check_options()
     dense.check_weight_sharing(self.weight_sharing, type(self).__name__)
 
   def compute_stats(self, inputs, cotangents, weights=None):

@@ -128,7 +128,7 @@ class KroneckerDense(base.KroneckerBlock):
   def __post_init__(self):
     object.__setattr__(self, "kernel_shape", tuple(self.kernel_shape))
     object.__setattr__(self, "in_axes", tuple(self.in_axes))
-    self.check_damping_mode()
+    self.check_options()
     check_weight_sharing(self.weight_sharing, type(self).__name__)
     self.layout  # Validates the axes.
 

@@ -48,7 +48,7 @@ class KroneckerEmbedding(base.KroneckerBlock):
     return True
 
   def __post_init__(self):
-    self.check_damping_mode()
+    self.check_options()
     dense.check_weight_sharing(self.weight_sharing, type(self).__name__)
 
   @property

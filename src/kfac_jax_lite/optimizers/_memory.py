@@ -1,7 +1,8 @@
 """The curvature state's memory, checked before ``tx.init`` allocates it.
 
-``check_fits(layers, params, where)`` prices the blocks' states by their
-shapes alone (``jax.eval_shape``: nothing is allocated) and refuses, with
+``check_fits(layers, params, where, extra)`` prices the blocks' states by
+their shapes alone (``jax.eval_shape``: nothing is allocated), with the
+rest of the state (``extra``), and refuses, with
 the fixes named, a state that together with the parameters, their
 gradients and the update (three more copies of the parameters) would not
 fit the memory of the device the parameters live on: a GPU's
@@ -13,6 +14,7 @@ import math
 import os
 
 import jax
+import numpy as np
 
 from kfac_jax_lite.factor import float_dtype
 
@@ -37,8 +39,16 @@ def device_bytes(leaves) -> int | None:
 
 
 def _bytes(tree) -> int:
-  return sum(math.prod(x.shape) * x.dtype.itemsize
-             for x in jax.tree.leaves(tree))
+  """Bytes of the leaves of ``tree`` (arrays, ``ShapeDtypeStruct``s or
+  Python scalars)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = getattr(x, "shape", None)
+    dtype = getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+      shape, dtype = np.shape(x), np.result_type(x)
+    total += math.prod(shape) * np.dtype(dtype).itemsize
+  return total
 
 
 def human(n: float) -> str:
@@ -48,12 +58,13 @@ def human(n: float) -> str:
   return f"{int(n)} B"
 
 
-def check_fits(layers, params, where, limit=None):
+def check_fits(layers, params, where, extra=None, limit=None):
   """``ValueError`` when the blocks of ``layers`` (``tagging.Layer``s with
-  their blocks) would need more memory, with ``params`` and three copies of
-  them, than the device has (``limit``: its bytes, ``device_bytes`` if
-  None); the message gives the state's bytes, its largest blocks and the
-  fixes."""
+  their blocks) and ``extra`` (the rest of the state: arrays or
+  ``ShapeDtypeStruct``s, e.g. the stored batch's slot or Adam's moments)
+  would need more memory, with ``params`` and three copies of them, than
+  the device has (``limit``: its bytes, ``device_bytes`` if None); the
+  message gives the state's bytes, its largest blocks and the fixes."""
   leaves = jax.tree.leaves(params)
   limit = device_bytes(leaves) if limit is None else limit
   if not limit:
@@ -71,7 +82,8 @@ def check_fits(layers, params, where, limit=None):
     except TypeError:  # An unhashable (duck-typed) block.
       return fn()
   sizes = {l.name: price(l) for l in layers}
-  state, param_bytes = sum(sizes.values()), _bytes(params)
+  state = sum(sizes.values()) + _bytes(extra)
+  param_bytes = _bytes(params)
   if state + 4 * param_bytes <= limit:
     return
   largest = sorted(sizes.items(), key=lambda kv: -kv[1])[:3]

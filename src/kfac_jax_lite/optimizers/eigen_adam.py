@@ -353,7 +353,15 @@ def _init(cfg: _EigenAdam, params) -> EigenAdamState:
                               "kfl.eigen_adam")
   leaves = jax.tree.leaves(params)
   layers = _rotated(tagged)
-  _memory.check_fits(layers, params, "kfl.eigen_adam")
+  c, stats = cfg.curvature, None
+  if cfg.adam.basis == "kfac":  # Estimate.stats' shapes, for kfl.with_stats.
+    stats = estimators.first_step_check(
+        tagged, params, estimators.stats_slice(
+            cfg.example_batch, c.stats_fraction, examples=tagged.examples),
+        c.estimation, c.num_samples)[1]
+  # The factors, and Adam's two moments and the stored batch's slot.
+  _memory.check_fits(layers, params, "kfl.eigen_adam",
+                     extra=(params, params, cfg.example_batch, stats))
   covered = {i for l in layers for i in l.leaves}
   states = {l.name: l.block.init(float_dtype(
       [leaves[i] for i in l.leaves])) for l in layers}
@@ -365,12 +373,6 @@ def _init(cfg: _EigenAdam, params) -> EigenAdamState:
                      states[l.name].g.cov.dtype)
   plain = lambda: tuple(jnp.zeros((1,), x.dtype) if i in covered
                         else jnp.zeros_like(x) for i, x in enumerate(leaves))
-  c, stats = cfg.curvature, None
-  if cfg.adam.basis == "kfac":  # Estimate.stats' shapes, for kfl.with_stats.
-    stats = estimators.first_step_check(
-        tagged, params, estimators.stats_slice(
-            cfg.example_batch, c.stats_fraction, examples=tagged.examples),
-        c.estimation, c.num_samples)[1]
   return EigenAdamState(
       count=jnp.zeros((), jnp.int32), stats_due=jnp.ones((), jnp.int32),
       key=jax.random.PRNGKey(cfg.curvature.seed),

@@ -342,7 +342,8 @@ def _init(cfg: _Kfac, params) -> KfacState:
     raise ValueError("kfl.kfac: the first step would fail on the example "
                      f"batch (see kfl.describe): {refused}")
   if cfg.layout != "sharded":  # Sharded: each device holds its share.
-    _memory.check_fits(tagged.layers, params, "kfl.kfac")
+    _memory.check_fits(tagged.layers, params, "kfl.kfac",
+                       extra=(cfg.example_batch, stats))  # With the slot.
   leaves = jax.tree.leaves(params)
   zero = lambda: jnp.zeros((), jnp.int32)  # Own buffers: donatable.
   blocks = {l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))
