@@ -1,16 +1,17 @@
 """Curvature blocks: one per layer kind, each a static config plus pure functions.
 
 Layer 1. Owns the block types, their statistics and the Kronecker-factored
-products they share (``_kron``). May import: ``factor``.
+products they share (``_kron``), the size policy (``_size``). May import: ``factor``.
 
 See ``kfac_jax_lite.blocks.base`` for the interface they share (``Block``)
 and the data their statistics consume (``LayerData``).
 """
 from kfac_jax_lite.blocks._kron import KroneckerState
 from kfac_jax_lite.blocks.base import as_block  # noqa: F401 (not in __all__)
+from kfac_jax_lite.blocks._size import MAX_DENSE_SIDE, state_bytes
 from kfac_jax_lite.blocks.base import (
-    ACTIVATIONS, GRADIENTS, MAX_DENSE_SIDE, Block, FlatBlock, KroneckerBlock,
-    LayerData, check_block, state_bytes)
+    ACTIVATIONS, GRADIENTS, Block, FlatBlock, KroneckerBlock, LayerData,
+    check_block)
 from kfac_jax_lite.blocks.conv import KroneckerConv
 from kfac_jax_lite.blocks.dense import KroneckerDense
 from kfac_jax_lite.blocks.diagonal import DiagonalConv, DiagonalDense

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kfac_jax_lite.blocks import _layout
+from kfac_jax_lite.blocks import _size
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import dense
 
@@ -230,14 +231,14 @@ class KroneckerConv(ConvConfig, base.KroneckerBlock):
   the output locations; ``repeats``: see ``ConvConfig``;
   ``max_dense_side``: a factor side (a group's patch, ``window · in + 1``,
   or its output channels) larger than this keeps only its diagonal
-  (``base.MAX_DENSE_SIDE``; None: no limit).
+  (``_size.MAX_DENSE_SIDE``; None: no limit).
   Parameters: ``(kernel,)`` or ``(kernel, bias)`` with ``bias [out]``.
   """
 
   damping_mode: str = "pi"
   weight_sharing: str = "expand"
   renorm_coeff: float = 1.0
-  max_dense_side: int | None = base.MAX_DENSE_SIDE
+  max_dense_side: int | None = _size.MAX_DENSE_SIDE
 
   def __post_init__(self):
     self._setup()

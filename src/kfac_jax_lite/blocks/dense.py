@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from kfac_jax_lite.blocks import _kron
 from kfac_jax_lite.blocks import _layout
+from kfac_jax_lite.blocks import _size
 from kfac_jax_lite.blocks import base
 
 WEIGHT_SHARING = ("expand", "reduce")
@@ -113,7 +114,7 @@ class KroneckerDense(base.KroneckerBlock):
   with the input (``(0,)`` for ``x @ W``, ``(1,)`` for ``x @ W.T``, several
   for einsum forms); the other axes are outputs, and the bias (if any) is
   shaped like them. ``max_dense_side``: a factor side larger than this
-  keeps only its diagonal (``base.MAX_DENSE_SIDE``; None: no limit).
+  keeps only its diagonal (``_size.MAX_DENSE_SIDE``; None: no limit).
   Parameters: ``(kernel,)`` or ``(kernel, bias)``.
   """
 
@@ -123,7 +124,7 @@ class KroneckerDense(base.KroneckerBlock):
   damping_mode: str = "pi"
   weight_sharing: str = "expand"
   renorm_coeff: float = 1.0
-  max_dense_side: int | None = base.MAX_DENSE_SIDE
+  max_dense_side: int | None = _size.MAX_DENSE_SIDE
 
   def __post_init__(self):
     object.__setattr__(self, "kernel_shape", tuple(self.kernel_shape))

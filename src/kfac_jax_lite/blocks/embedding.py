@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from kfac_jax_lite.blocks import _kron
 from kfac_jax_lite.blocks import _layout
+from kfac_jax_lite.blocks import _size
 from kfac_jax_lite.blocks import base
 from kfac_jax_lite.blocks import dense
 
@@ -32,7 +33,7 @@ class KroneckerEmbedding(base.KroneckerBlock):
   """Kronecker block of an embedding table ``[vocab_size, dim]``.
 
   ``max_dense_side``: an output factor (``dim``) larger than this keeps
-  only its diagonal (``base.MAX_DENSE_SIDE``; None: no limit); the input
+  only its diagonal (``_size.MAX_DENSE_SIDE``; None: no limit); the input
   factor is always diagonal. Parameters: ``(table,)``.
   """
 
@@ -41,7 +42,7 @@ class KroneckerEmbedding(base.KroneckerBlock):
   damping_mode: str = "pi"
   weight_sharing: str = "expand"
   renorm_coeff: float = 1.0
-  max_dense_side: int | None = base.MAX_DENSE_SIDE
+  max_dense_side: int | None = _size.MAX_DENSE_SIDE
 
   @property
   def input_diagonal(self) -> bool:

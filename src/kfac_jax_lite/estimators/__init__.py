@@ -156,6 +156,8 @@ from kfac_jax_lite.estimators._first_step import (
 from kfac_jax_lite.estimators._describe import Row as Row
 from kfac_jax_lite.estimators._describe import Table as Table
 from kfac_jax_lite.estimators._describe import describe as describe
+# Bytes for a reader, shared with tx.init's memory check.
+from kfac_jax_lite.estimators._describe import human_bytes as human_bytes
 from kfac_jax_lite.estimators._describe import plan_for as plan_for
 from kfac_jax_lite.estimators._plan import DEFAULT_BUDGET as DEFAULT_BUDGET
 from kfac_jax_lite.estimators._plan import Plan as Plan

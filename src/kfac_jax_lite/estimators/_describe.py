@@ -61,7 +61,7 @@ class Table(list):
     ratio = f", {total / params:.2f}x the parameters'" if params else ""
     big = sorted(self, key=lambda r: -r["bytes"])[:3]
     largest = ("; largest: " + ", ".join(
-        f"{r['name']} {_human(r['bytes'])}" for r in big)) if big else ""
+        f"{r['name']} {human_bytes(r['bytes'])}" for r in big)) if big else ""
     out.append(f"{len(self)} blocks, {total} bytes of state "
                f"({total / 2**20:.1f} MiB{ratio}{largest})")
     if self.price_line:
@@ -155,17 +155,19 @@ def size_note(block, stack=None):
     if diagonal:
       dense = 2 * 4 * lay.groups * n * n * (stack or 1)
       parts.append(f"{name} diagonal: side {n} > max_dense_side="
-                   f"{block.max_dense_side} (dense: {_human(dense)} and "
+                   f"{block.max_dense_side} (dense: {human_bytes(dense)} and "
                    f"~{lay.groups * n ** 3 * (stack or 1):.1e} FLOPs a "
                    "refresh)")
   return "; ".join(parts)
 
 
-def _human(n):  # As optimizers._memory.human (layers apart: no import).
+def human_bytes(n: float) -> str:
+  """``n`` bytes for a reader: ``"1.5 GiB"``, ``"12.0 KiB"``, ``"80 B"``
+  (also ``tx.init``'s memory check's, ``optimizers._memory``)."""
   for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
     if n >= size:
       return f"{n / size:.1f} {unit}"
-  return f"{n} B"
+  return f"{int(n)} B"
 
 
 def block_flops(row, layer, block, *, m, stats_m, inverse_every, cov_every,

@@ -16,6 +16,7 @@ import os
 import jax
 import numpy as np
 
+from kfac_jax_lite.estimators import human_bytes
 from kfac_jax_lite.factor import float_dtype
 
 
@@ -51,13 +52,6 @@ def _bytes(tree) -> int:
   return total
 
 
-def human(n: float) -> str:
-  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if n >= size:
-      return f"{n / size:.1f} {unit}"
-  return f"{int(n)} B"
-
-
 def check_fits(layers, params, where, extra=None, limit=None):
   """``ValueError`` when the blocks of ``layers`` (``tagging.Layer``s with
   their blocks) and ``extra`` (the rest of the state: arrays or
@@ -88,11 +82,11 @@ def check_fits(layers, params, where, extra=None, limit=None):
     return
   largest = sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
   raise ValueError(
-      f"{where}: the curvature state needs {human(state)} "
+      f"{where}: the curvature state needs {human_bytes(state)} "
       f"({state / max(param_bytes, 1):.1f}x the parameters' "
-      f"{human(param_bytes)}), which with the parameters, gradients and "
-      f"update does not fit the device's {human(limit)}; largest blocks: "
-      + ", ".join(f"{n} {human(b)}" for n, b in largest)
+      f"{human_bytes(param_bytes)}), which with the parameters, gradients and "
+      f"update does not fit the device's {human_bytes(limit)}; largest blocks: "
+      + ", ".join(f"{n} {human_bytes(b)}" for n, b in largest)
       + ". Keep large factor sides diagonal (blocks={'dense': "
       "{'max_dense_side': 1024}}, or per layer by path), give those layers "
       "cheaper blocks (blocks={'<path>': 'diagonal'}) or exclude= them, or "

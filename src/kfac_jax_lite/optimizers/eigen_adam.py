@@ -128,10 +128,8 @@ import optax
 from kfac_jax_lite import blocks as B
 from kfac_jax_lite import estimators
 from kfac_jax_lite.factor import float_dtype
-from kfac_jax_lite.optimizers._eigenbasis import (
-    basis_of, from_basis, is_factor, rebase_moments, refresh_factor,
-    shampoo_stats, to_basis)
 from kfac_jax_lite.optimizers import _eigen_guard
+from kfac_jax_lite.optimizers import _eigen_step as S
 from kfac_jax_lite.optimizers import _find
 from kfac_jax_lite.optimizers import _memory
 from kfac_jax_lite.optimizers import _pending
@@ -165,26 +163,6 @@ class EigenAdamState(NamedTuple):
   # The stored batch/statistics slot (kfl.with_batch/with_stats; zeros of
   # the example batch's from init): _pending.Pending.
   pending: Any = None
-
-
-def inner_block(block) -> Any:
-  """The block of one slice: ``block.block`` for a ``Stacked`` one
-  (``Block.one_slice``); a rotated layer's is a ``KroneckerBlock``, with
-  its ``layout``."""
-  return B.as_block(block).one_slice
-
-
-def per_slice(layer, fn: Callable) -> Callable:
-  """``fn`` on each slice of a stacked layer's arrays (``jax.vmap`` over
-  their leading axis), or ``fn`` itself for a layer that is not stacked."""
-  return jax.vmap(fn) if isinstance(layer.block, B.Stacked) else fn
-
-
-def is_rotated(layer) -> bool:
-  """Whether ``layer`` runs Adam in an eigenbasis: its block (or, stacked
-  under ``lax.scan``, each slice's) is a Kronecker block (dense, conv,
-  embedding)."""
-  return isinstance(inner_block(layer.block), B.KroneckerBlock)
 
 
 def _check(name, value, allowed):
@@ -324,25 +302,6 @@ class _EigenAdam(NamedTuple):
   example_batch: Any  # The stored batch slot's shapes (_pending.empty).
 
 
-class _Step(NamedTuple):
-  """What one update works on: the detection, its rotated layers, the
-  gradient's leaves (and, per rotated layer, its matrices), the inputs."""
-
-  tagged: Any
-  layers: list
-  leaves: list
-  vectors: dict
-  params: Any
-  batch: Any
-  stats: Any
-  stats_key: Any
-  count: Any
-
-
-def _rotated(tagged):
-  return [l for l in tagged.layers if is_rotated(l)]
-
-
 def _init(cfg: _EigenAdam, params) -> EigenAdamState:
   params = _find.unwrap(params)  # nnx.Optimizer inits on Variables.
   _find.check_unmasked(params, "kfl.eigen_adam")
@@ -352,7 +311,7 @@ def _init(cfg: _EigenAdam, params) -> EigenAdamState:
     estimators.check_has_loss(tagged, cfg.curvature.estimation,
                               "kfl.eigen_adam")
   leaves = jax.tree.leaves(params)
-  layers = _rotated(tagged)
+  layers = S.rotated(tagged)
   c, stats = cfg.curvature, None
   if cfg.adam.basis == "kfac":  # Estimate.stats' shapes, for kfl.with_stats.
     stats = estimators.first_step_check(
@@ -367,7 +326,7 @@ def _init(cfg: _EigenAdam, params) -> EigenAdamState:
       [leaves[i] for i in l.leaves])) for l in layers}
 
   def moment(l):
-    lay = inner_block(l.block).layout
+    lay = S.inner_block(l.block).layout
     stack = (l.block.n,) if isinstance(l.block, B.Stacked) else ()
     return jnp.zeros(stack + (lay.groups, lay.a, lay.b),
                      states[l.name].g.cov.dtype)
@@ -380,47 +339,6 @@ def _init(cfg: _EigenAdam, params) -> EigenAdamState:
       nu_basis={l.name: moment(l) for l in layers}, mu=plain(), nu=plain(),
       **_eigen_guard.init(params),
       pending=_pending.empty(cfg.example_batch, stats, float_dtype(leaves)))
-
-
-def _adam(a: AdamOptions, g, m, v, count_inc):
-  """One Adam step on ``g`` with moments ``m``, ``v`` at count ``count_inc``:
-  ``(direction, m, v)``."""
-  m = (1 - a.b1) * g + a.b1 * m
-  v = (1 - a.b2) * g ** 2 + a.b2 * v
-  m_hat = m / (1 - a.b1 ** count_inc).astype(m.dtype)
-  v_hat = v / (1 - a.b2 ** count_inc).astype(v.dtype)
-  return m_hat / (jnp.sqrt(v_hat + a.eps_root) + a.eps), m, v
-
-
-def _step_of(cfg: _EigenAdam, updates, state, params, batch, stats) -> _Step:
-  """The checks of ``update``'s arguments and its ``_Step``."""
-  a, c = cfg.adam, cfg.curvature
-  if params is None:
-    raise ValueError("eigen_adam needs params: tx.update(grads, state, "
-                     "params, batch=batch)")
-  if a.basis == "kfac" and stats is None and batch is None:
-    raise ValueError(_pending.missing("eigen_adam(basis='kfac').update"))
-  tagged = cfg.layers(params)
-  layers = _rotated(tagged)
-  leaves = jax.tree.leaves(updates)  # The gradients.
-  vectors = {l.name: tuple(leaves[i].reshape(s) for i, s in zip(
-      l.leaves, l.block.param_shapes)) for l in layers}
-  _, stats_key = jax.random.split(state.key)
-  if c.axis_name is not None and a.basis == "kfac" and stats is None:
-    # Independent samples on every device.
-    stats_key = jax.random.fold_in(stats_key, jax.lax.axis_index(c.axis_name))
-  if a.basis == "kfac" and stats is None:
-    if jax.tree.structure(batch) != tagged.batch_treedef:
-      raise ValueError(f"batch structure {jax.tree.structure(batch)} "
-                       f"differs from the example batch's "
-                       f"{tagged.batch_treedef}")
-    # This batch's own trace (another batch size), checked to give the
-    # example batch's layers, as kfl.kfac does.
-    tagged = cfg.layers(params, batch)
-    estimators.stats_batch_size(batch, c.stats_fraction, "eigen_adam.update",
-                                tagged.examples)
-  return _Step(tagged, layers, leaves, vectors, params, batch, stats,
-               stats_key, state.count)
 
 
 def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
@@ -446,28 +364,28 @@ def _given(cfg: _EigenAdam, updates, state, params, *, batch, stats, loss):
   stats, run = estimators.split_run(estimators.device_mean(stats))
   if loss is None and run is not None:
     loss = run["loss"]
-  s = _step_of(cfg, updates, state, params, batch, stats)
+  s = S.step_of(cfg, updates, state, params, batch, stats)
   treedef = jax.tree.structure(updates)
   count_inc = optax.safe_increment(state.count)
   if cfg.adam.basis == "kfac":  # This step's statistics, then its basis.
-    folded, own = _fold_due(cfg, s, state.blocks)
-    states, mu_b, nu_b = _refresh_due(cfg, s, folded, state.mu_basis,
+    folded, own = S.fold_due(cfg, s, state.blocks)
+    states, mu_b, nu_b = S.refresh_due(cfg, s, folded, state.mu_basis,
                                       state.nu_basis)
-    out, mu_b, nu_b, mu, nu = _adam_step(cfg, s, state, states, mu_b, nu_b,
+    out, mu_b, nu_b, mu, nu = S.adam_step(cfg, s, state, states, mu_b, nu_b,
                                          count_inc)
   else:
     first = state.count == 0
-    out, *moments = _adam_step(cfg, s, state, state.blocks, state.mu_basis,
+    out, *moments = S.adam_step(cfg, s, state, state.blocks, state.mu_basis,
                                state.nu_basis, jnp.maximum(state.count, 1))
     out = [jnp.where(first, jnp.zeros_like(u), u) for u in out]
     mu_b, nu_b, mu, nu = jax.tree.map(
         lambda new, old: jnp.where(first, old, new), tuple(moments),
         (state.mu_basis, state.nu_basis, state.mu, state.nu))
-    folded, own = _fold_due(cfg, s, state.blocks)
-    states, mu_b, nu_b = _refresh_due(cfg, s, folded, mu_b, nu_b)
+    folded, own = S.fold_due(cfg, s, state.blocks)
+    states, mu_b, nu_b = S.refresh_due(cfg, s, folded, mu_b, nu_b)
   new_state = EigenAdamState(
       count=count_inc,
-      stats_due=(jnp.mod(count_inc, _cov_every(cfg)) == 0
+      stats_due=(jnp.mod(count_inc, S.cov_every(cfg)) == 0
                  ).astype(jnp.int32),
       key=jax.random.split(state.key)[0], blocks=states, mu_basis=mu_b,
       nu_basis=nu_b, mu=tuple(mu), nu=tuple(nu), pending=state.pending)
@@ -487,117 +405,3 @@ def _given(cfg: _EigenAdam, updates, state, params, *, batch, stats, loss):
   return jax.tree.unflatten(treedef, out), new_state
 
 
-def _fold(cfg: _EigenAdam, s: _Step, blocks):
-  """This step's statistics into the factors: ``(blocks, (loss, bad
-  targets, ran))``, the last three from the statistics' own pass on
-  ``batch=`` (zeros and False without one)."""
-  c = cfg.curvature
-  own = _no_pass(float_dtype(s.params))
-  if cfg.adam.basis == "shampoo":
-    new = {l.name: per_slice(l, lambda v, b=inner_block(l.block):
-                             shampoo_stats(b, v))(s.vectors[l.name])
-           for l in s.layers}
-    if c.axis_name is not None:
-      new = jax.lax.pmean(new, c.axis_name)
-    if s.batch is not None:  # Its loss and labels, as "kfac"'s pass has.
-      loss, bad = estimators.checked_loss(s.tagged, s.params, s.batch)
-      if c.axis_name is not None:
-        loss, bad = jax.lax.pmean((loss, bad), c.axis_name)
-      dtype = float_dtype(s.params)
-      own = (jnp.asarray(loss, dtype), jnp.asarray(bad, dtype),
-             jnp.ones((), bool))
-  elif s.stats is not None:
-    new = jax.lax.pmean(s.stats, c.axis_name) if c.axis_name else s.stats
-  else:
-    dtype = float_dtype(s.params)
-    all_states = {l.name: (blocks[l.name] if l.name in blocks
-                           else l.block.init(dtype)) for l in s.tagged.layers}
-    new, loss = transform.statistics(
-        s.tagged, s.params, s.batch, s.stats_key, all_states,
-        estimation=c.estimation, num_samples=c.num_samples,
-        stats_fraction=c.stats_fraction, axis_name=c.axis_name)
-    new, run = estimators.split_run(new)
-    bad = jnp.zeros((), dtype) if run is None else run["bad_targets"]
-    own = (jnp.asarray(loss, dtype), jnp.asarray(bad, dtype),
-           jnp.ones((), bool))
-  return transform.accumulate(s.layers, blocks, new, c.cov_decay), own
-
-
-def _no_pass(dtype):
-  """``_fold``'s ``(loss, bad targets, ran)`` of a step without its own
-  statistics pass."""
-  return jnp.zeros((), dtype), jnp.zeros((), dtype), jnp.zeros((), bool)
-
-
-def _cov_every(cfg: _EigenAdam) -> int:
-  """``cov_every``, an int here (``eigen_adam`` refuses None)."""
-  every = cfg.curvature.cov_every
-  assert every is not None
-  return every
-
-
-def _fold_due(cfg: _EigenAdam, s: _Step, blocks):
-  """``_fold`` on the counts that are multiples of ``cov_every`` (else the
-  blocks as they were, and no pass)."""
-  every = _cov_every(cfg)
-  if every == 1:
-    return _fold(cfg, s, blocks)
-  idle = lambda b: (b, _no_pass(float_dtype(s.params)))
-  return jax.lax.cond(s.count % every == 0, functools.partial(_fold, cfg, s),
-                      idle, blocks)
-
-
-def _refresh_due(cfg: _EigenAdam, s: _Step, states, mu_b, nu_b):
-  """New bases where due, the moments carried into them."""
-  a = cfg.adam
-  due = (s.count % a.refresh_every == 0) & (s.count > 0)
-  needs = {l.name: B.as_block(l.block).has_statistics(states[l.name])
-           & (due | ~B.as_block(l.block).is_ready(states[l.name]))
-           for l in s.layers}
-
-  def run(args):
-    states, mu_b, nu_b = args
-    out = ({}, {}, {})
-    for l in s.layers:
-      old = states[l.name]
-      fresh = per_slice(l, lambda st: jax.tree.map(
-          lambda f: refresh_factor(f, s.count, a.refresh), st,
-          is_leaf=is_factor))(old)
-      m, v = per_slice(l, lambda m, v, o, n: rebase_moments(
-          m, v, o, n, a.nu_rebase))(mu_b[l.name], nu_b[l.name], old, fresh)
-      need = needs[l.name]
-      pick = lambda n, o: jax.tree.map(
-          lambda x, y: jnp.where(need, x, y), n, o)
-      out[0][l.name] = pick(fresh, old)
-      out[1][l.name] = pick(m, mu_b[l.name])
-      out[2][l.name] = pick(v, nu_b[l.name])
-    return out
-
-  if not s.layers:
-    return states, mu_b, nu_b
-  return jax.lax.cond(jnp.any(jnp.stack(list(needs.values()))), run,
-                      lambda x: x, (states, mu_b, nu_b))
-
-
-def _adam_step(cfg: _EigenAdam, s: _Step, state, states, mu_b, nu_b, t):
-  """Adam at step ``t``: in the bases for the rotated layers, plainly
-  for the rest; ``(updates, mu_b, nu_b, mu, nu)``."""
-  leaves = s.leaves
-  out, mu, nu = list(leaves), list(state.mu), list(state.nu)
-  mu_b, nu_b = dict(mu_b), dict(nu_b)
-  for l in s.layers:
-    lay, dtype = inner_block(l.block).layout, mu_b[l.name].dtype
-    g = per_slice(l, lambda st, v: to_basis(
-        lay.to_mat(v).astype(dtype), basis_of(st.a), basis_of(st.g)))(
-            states[l.name], s.vectors[l.name])
-    u, mu_b[l.name], nu_b[l.name] = _adam(cfg.adam, g, mu_b[l.name],
-                                          nu_b[l.name], t)
-    u = per_slice(l, lambda st, u: lay.from_mat(from_basis(
-        u, basis_of(st.a), basis_of(st.g))))(states[l.name], u)
-    for i, x in zip(l.leaves, u):
-      out[i] = x.reshape(leaves[i].shape).astype(leaves[i].dtype)
-  covered = {i for l in s.layers for i in l.leaves}
-  for i, g in enumerate(leaves):
-    if i not in covered:
-      out[i], mu[i], nu[i] = _adam(cfg.adam, g, mu[i], nu[i], t)
-  return out, mu_b, nu_b, tuple(mu), tuple(nu)
