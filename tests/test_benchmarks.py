@@ -143,6 +143,7 @@ def _check_summary(summary, out, name, families, plot):
   assert (out / f"{name}_quick.png").exists() == plot
 
 
+@pytest.mark.slow  # A benchmark script's run (conftest.py: the slow tier).
 def test_autoencoder_quick(tmp_path):
   pytest.importorskip("sklearn")
   plot = importlib.util.find_spec("matplotlib") is not None
@@ -155,6 +156,7 @@ def test_autoencoder_quick(tmp_path):
   assert summary["rows"][1]["style"] == "cov"
 
 
+@pytest.mark.slow  # A benchmark script's run (conftest.py: the slow tier).
 def test_amortised_presets_step_in_the_one_pass_style(tmp_path, capsys):
   """Issue 25's presets run, and their one-pass step skips the statistics
   on the steps a preset's ``cov_every`` does not use: the statistics sit
@@ -187,6 +189,7 @@ def test_amortised_presets_step_in_the_one_pass_style(tmp_path, capsys):
   assert due == [True, False, False, False, False, True, False]
 
 
+@pytest.mark.slow  # A benchmark script's run (conftest.py: the slow tier).
 def test_convnet_quick(tmp_path):
   pytest.importorskip("sklearn")
   cn = importlib.import_module("convnet")
@@ -198,6 +201,7 @@ def test_convnet_quick(tmp_path):
   assert summary["rows"][1]["style"] == "batch="
 
 
+@pytest.mark.slow  # A benchmark script's run (conftest.py: the slow tier).
 def test_charlm_quick(tmp_path):
   lm = importlib.import_module("charlm")
   optax = importlib.import_module("optax")
@@ -338,6 +342,7 @@ def test_estimator_scale_prints_the_convention():
                                                             r, se)
 
 
+@pytest.mark.slow  # A benchmark script's run (conftest.py: the slow tier).
 def test_eigen_adam_step_quick(capsys):
   es = importlib.import_module("eigen_adam_step")
   rows = es.main(["--quick"])
@@ -350,6 +355,7 @@ def test_eigen_adam_step_quick(capsys):
   assert math.isclose(rotate, 4 * 10 / (3 * 30))
 
 
+@pytest.mark.slow  # A benchmark script's run (conftest.py: the slow tier).
 def test_estimation_steps_quick():
   """The equal-steps table runs; ``"empirical_shared"`` trains exactly as
   ``"empirical"`` (the same statistics, a mean loss)."""
@@ -377,6 +383,7 @@ def _import_sharded_curvature(monkeypatch):
   return importlib.import_module("sharded_curvature")
 
 
+@pytest.mark.slow  # A benchmark script's run (conftest.py: the slow tier).
 def test_sharded_curvature_rows(monkeypatch, capsys):
   """``sharded_curvature.py`` measures the MLP on one device in every
   layout: the K-FAC state's bytes are its covariances and caches, nothing

@@ -26,6 +26,7 @@ def test_no_state_holds_a_zero_size_array():
     assert not empty, (name, empty)
 
 
+@pytest.mark.slow  # A fresh process (conftest.py: the slow tier).
 def test_orbax_restore_in_a_fresh_process_is_bit_identical(tmp_path):
   expected = {}
   for name, make in W.TXS.items():

@@ -43,6 +43,10 @@ import pytest
 import _cpu_devices as cpu_devices
 from _helpers import assert_rounding_close
 
+# Minute-long multi-device workers: the slow tier (``-m slow``; CI runs it
+# as a step of its own, conftest.py).
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_distributed_worker.py")
 

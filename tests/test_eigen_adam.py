@@ -585,6 +585,7 @@ def _pmap_worker():
   print("RESULT " + json.dumps(out), flush=True)
 
 
+@pytest.mark.slow  # An 8-device worker (conftest.py: the slow tier).
 def test_pmap_equals_one_device():
   env = dict(cpu_devices.env(8), JAX_ENABLE_X64="1")
   proc = cpu_devices.run([sys.executable, os.path.abspath(__file__), "pmap"],

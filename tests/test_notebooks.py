@@ -89,6 +89,7 @@ def test_source_digest_sees_every_change(tmp_path):
   assert digest(tmp_path) != first
 
 
+@pytest.mark.slow  # Runs a notebook (conftest.py: the slow tier).
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, monkeypatch):
   pytest.importorskip(

@@ -28,6 +28,10 @@ import pytest
 import _cpu_devices as cpu_devices
 import test_distributed as td
 
+# Minute-long multi-device workers: the slow tier (``-m slow``; CI runs it
+# as a step of its own, conftest.py).
+pytestmark = pytest.mark.slow
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_sharded_worker.py")
 TOL = td.MULTIHOST_TOL

@@ -23,6 +23,10 @@ import pytest
 import test_distributed as td
 import test_sharded
 
+# Minute-long multi-device workers: the slow tier (``-m slow``; CI runs it
+# as a step of its own, conftest.py).
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 TOL = dict(depth=STEPS)
 F64 = 8  # bytes
