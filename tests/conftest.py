@@ -12,15 +12,15 @@
   optimisation with ``_helpers.optimized_jit``. The library itself sets no
   flags: users get XLA's defaults.
 * Keeps the compiled programs in JAX's persistent compilation cache
-  (``.pytest_cache/jax-compilation-cache``, at most 2 GiB, least recently
-  used first out; a ``JAX_COMPILATION_CACHE_DIR`` of your own wins), for
-  the notebook kernels and the workers too. Its key is the program, the
-  XLA flags and the versions, so a change to the library recompiles what
-  it changed and nothing else. Measured on 2 cores
-  (``test_loss_recognition.py`` + ``test_first_step.py``, ``-n 2``):
+  (``.pytest_cache/jax-compilation-cache``; a ``JAX_COMPILATION_CACHE_DIR``
+  of your own wins), for the notebook kernels and the workers too. Its key
+  is the program, the XLA flags and the versions, so a change to the
+  library recompiles what it changed and nothing else. Measured on 2
+  cores (``test_loss_recognition.py`` + ``test_first_step.py``, ``-n 2``):
   138 s without it, 126 s filling it (the two workers share programs),
-  49 s from a filled one. Without ``filelock`` (the lock JAX takes to
-  share the cache between processes) the cache stays off.
+  49 s from a filled one. Past 2 GiB the oldest entries go at the start of
+  a run. The processes share it without a lock: JAX writes an entry
+  whole or a reader fails to decompress it, warns and compiles.
 * The slow tier: tests marked ``slow`` (the multi-device and multi-process
   workers, the benchmark scripts' runs, the notebooks' runs, the
   convergence runs: each a minute or more of compiling) run only when
@@ -39,18 +39,34 @@ _flags += [f for f in _CHEAP_COMPILE
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-try:
-  import filelock  # noqa: F401 (JAX's lock on a shared, bounded cache)
-except ImportError:
-  pass
-else:
-  for _name, _value in (
-      ("JAX_COMPILATION_CACHE_DIR",
-       os.path.join(_ROOT, ".pytest_cache", "jax-compilation-cache")),
-      ("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30)),
-      ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
-      ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")):
-    os.environ.setdefault(_name, _value)
+_JAX_CACHE = os.path.join(_ROOT, ".pytest_cache", "jax-compilation-cache")
+_JAX_CACHE_BYTES = 2 << 30
+for _name, _value in (("JAX_COMPILATION_CACHE_DIR", _JAX_CACHE),
+                      ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"),
+                      ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")):
+  os.environ.setdefault(_name, _value)
+
+
+def _trim_jax_cache(path, limit):
+  """When the compilation cache at ``path`` holds more than ``limit``
+  bytes, deletes its oldest entries down to ``limit / 2``. Once a run,
+  before the workers start; JAX's own bound
+  (``jax_compilation_cache_max_size``) would rescan every entry at each
+  write, quadratic in the suite's thousands of programs."""
+  try:
+    entries = [(e.stat().st_mtime, e.stat().st_size, e.path)
+               for e in os.scandir(path) if e.is_file()]
+  except FileNotFoundError:
+    return
+  total = sum(size for _, size, _ in entries)
+  if total <= limit:
+    return
+  for _, size, name in sorted(entries):
+    if total <= limit // 2:
+      break
+    os.remove(name)
+    total -= size
+
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -72,6 +88,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+  if (not hasattr(config, "workerinput")  # xdist's controller, or no xdist.
+      and os.environ["JAX_COMPILATION_CACHE_DIR"] == _JAX_CACHE):
+    _trim_jax_cache(_JAX_CACHE, _JAX_CACHE_BYTES)
   report = config.getoption("--tolerance-report")
   if report:
     _record_margins(os.path.abspath(report))
