@@ -19,8 +19,9 @@
   cores (``test_loss_recognition.py`` + ``test_first_step.py``, ``-n 2``):
   138 s without it, 126 s filling it (the two workers share programs),
   49 s from a filled one. Past 2 GiB the oldest entries go at the start of
-  a run. The processes share it without a lock: JAX writes an entry
-  whole or a reader fails to decompress it, warns and compiles.
+  a run. The processes share it without a lock: a reader that meets an
+  entry still being written fails to decompress it, and JAX then warns
+  and compiles (``jax._src.compiler._cache_read``).
 * The slow tier: tests marked ``slow`` (the multi-device and multi-process
   workers, the benchmark scripts' runs, the notebooks' runs, the
   convergence runs: each a minute or more of compiling) run only when
