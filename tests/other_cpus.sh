@@ -26,6 +26,11 @@ pytest_args=("$@")
 [[ ${#pytest_args[@]} -eq 0 ]] && pytest_args=(-n 2 -q)
 [[ ${#configs[@]} -eq 0 ]] && configs=(avx2 sse4_2 no_ynn one_core)
 
+# Every configuration compiles afresh: the suite's persistent compilation
+# cache (tests/conftest.py) would hand one run the programs compiled for
+# another (the thread count, for one, is not in its key).
+export JAX_ENABLE_COMPILATION_CACHE=false
+
 status=0
 summary=()
 for config in "${configs[@]}"; do
