@@ -27,8 +27,11 @@ test summary. Any other failure, and a second timeout, fail the test.
 """
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import subprocess
+import tempfile
 import warnings
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -75,3 +78,26 @@ def run(cmd: list[str], environ: dict, timeout: float,
     proc = subprocess.run(cmd, env=environ, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
   return proc
+
+
+def shared_across_workers(scenario, compute):
+  """``compute()`` (a JSON-able result) once per run of the suite: xdist
+  hands a file's tests to both of its workers, and an ``lru_cache`` lives
+  in one process, so each worker ran the minutes-long subprocess itself.
+  The first worker to ask runs it and writes the result; the other waits
+  on the lock and reads it. A failure writes nothing (the next asker
+  runs it again)."""
+  run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+  if run is None:  # Not under xdist: one process.
+    return compute()
+  path = os.path.join(tempfile.gettempdir(), f"kfl-{run}-{scenario}.json")
+  with open(path + ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if os.path.exists(path):
+      with open(path) as f:
+        return json.load(f)
+    out = compute()
+    with open(path + ".tmp", "w") as f:
+      json.dump(out, f)
+    os.replace(path + ".tmp", path)
+    return out

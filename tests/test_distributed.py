@@ -82,7 +82,14 @@ def _command(scenario, devices, *extra):
 
 @functools.lru_cache(maxsize=None)
 def run_worker(scenario, devices=8, timeout=150):
-  """Runs one scenario in a fresh interpreter with ``devices`` CPU devices."""
+  """Runs one scenario in a fresh interpreter with ``devices`` CPU devices
+  (once per run of the suite: ``cpu_devices.shared_across_workers``)."""
+  return cpu_devices.shared_across_workers(
+      f"distributed-{scenario}-{devices}",
+      lambda: _run_worker(scenario, devices, timeout))
+
+
+def _run_worker(scenario, devices, timeout):
   try:
     proc = cpu_devices.run(_command(scenario, devices), cpu_devices.env(devices),
                            timeout=timeout, cwd=os.path.dirname(HERE))

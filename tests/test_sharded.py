@@ -17,13 +17,10 @@ upper triangle, nothing else; the parameters are also held to the issue's
 """
 from __future__ import annotations
 
-import fcntl
 import functools
-import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -76,32 +73,9 @@ def run_worker(scenario, patient=True):
   return td._parse(proc.stdout, proc.stderr, scenario)
 
 
-def shared_across_workers(scenario, compute):
-  """``compute()`` (a JSON-able result) once per run of the suite: xdist
-  hands a file's tests to both of its workers, and an ``lru_cache`` lives
-  in one process, so each worker ran the minutes-long subprocess itself.
-  The first worker to ask runs it and writes the result; the other waits
-  on the lock and reads it. A failure writes nothing (the next asker
-  runs it again)."""
-  run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-  if run is None:  # Not under xdist: one process.
-    return compute()
-  path = os.path.join(tempfile.gettempdir(), f"kfl-{run}-{scenario}.json")
-  with open(path + ".lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    if os.path.exists(path):
-      with open(path) as f:
-        return json.load(f)
-    out = compute()
-    with open(path + ".tmp", "w") as f:
-      json.dump(out, f)
-    os.replace(path + ".tmp", path)
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def result():
-  return shared_across_workers("sharded", lambda: run_worker("sharded"))
+  return cpu_devices.shared_across_workers("sharded", lambda: run_worker("sharded"))
 
 
 def _same(got, want, **tol):

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import test_distributed as td
+import _cpu_devices as cpu_devices
 import test_sharded
 
 # Minute-long multi-device workers: the slow tier (``-m slow``; CI runs it
@@ -37,7 +38,7 @@ SCALARS = 8 * F64
 
 @functools.lru_cache(maxsize=None)
 def result():
-  return test_sharded.shared_across_workers(
+  return cpu_devices.shared_across_workers(
       "onepass", lambda: test_sharded.run_worker("onepass", patient=False))
 
 
