@@ -28,6 +28,7 @@ test summary. Any other failure, and a second timeout, fail the test.
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
 import subprocess
@@ -80,6 +81,20 @@ def run(cmd: list[str], environ: dict, timeout: float,
   return proc
 
 
+def _shared_path(run, scenario):
+  return os.path.join(tempfile.gettempdir(), f"kfl-{run}-{scenario}.json")
+
+
+def remove_shared(run):
+  """Removes run ``run``'s shared results and their locks (the xdist
+  controller calls it when the run ends)."""
+  for name in glob.glob(_shared_path(glob.escape(run), "*") + "*"):
+    try:
+      os.remove(name)
+    except FileNotFoundError:
+      pass
+
+
 def shared_across_workers(scenario, compute):
   """``compute()`` (a JSON-able result) once per run of the suite: xdist
   hands a file's tests to both of its workers, and an ``lru_cache`` lives
@@ -90,7 +105,7 @@ def shared_across_workers(scenario, compute):
   run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
   if run is None:  # Not under xdist: one process.
     return compute()
-  path = os.path.join(tempfile.gettempdir(), f"kfl-{run}-{scenario}.json")
+  path = _shared_path(run, scenario)
   with open(path + ".lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if os.path.exists(path):

@@ -31,6 +31,7 @@
 """
 import os
 import sys
+import uuid
 
 _CHEAP_COMPILE = ("--xla_backend_optimization_level=0",
                   "--xla_llvm_disable_expensive_passes=true")
@@ -92,9 +93,22 @@ def pytest_configure(config):
   if (not hasattr(config, "workerinput")  # xdist's controller, or no xdist.
       and os.environ["JAX_COMPILATION_CACHE_DIR"] == _JAX_CACHE):
     _trim_jax_cache(_JAX_CACHE, _JAX_CACHE_BYTES)
+  if (not hasattr(config, "workerinput")
+      and getattr(config.option, "testrunuid", "absent") is None):
+    # xdist's controller: the run's id chosen here (xdist would choose one
+    # of its own) so that pytest_unconfigure can remove the results its
+    # workers shared (``_cpu_devices.shared_across_workers``).
+    config.option.testrunuid = uuid.uuid4().hex
   report = config.getoption("--tolerance-report")
   if report:
     _record_margins(os.path.abspath(report))
+
+
+def pytest_unconfigure(config):
+  run = getattr(config.option, "testrunuid", None)
+  if not hasattr(config, "workerinput") and run:
+    import _cpu_devices
+    _cpu_devices.remove_shared(run)
 
 
 SLOW_COMMAND = "python -m pytest -n 2 -q -m slow"

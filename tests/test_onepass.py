@@ -127,6 +127,26 @@ def test_stats_fraction_with_aux_and_errors():
     est_fn(params, small, jax.random.PRNGKey(0))
 
 
+def test_stats_of_other_blocks_are_refused_naming_the_layer_and_fix():
+  """An estimate made without the transform's ``blocks=`` (or ``exclude=``)
+  has statistics of other shapes, or none for a layer: a ``ValueError``
+  naming the layer and the fix, at the first update (not a factor's shape
+  error, not a KeyError)."""
+  params, batch = init_params(), make_batch()
+  key = jax.random.PRNGKey(0)
+  est = kfl.value_grad_and_stats(plain_loss, params, batch)(params, batch, key)
+  fewer = kfl.value_grad_and_stats(plain_loss, params, batch,
+                                   exclude=["1/*"])(params, batch, key)
+  for tx, stats, match in (
+      (kfl.kfac(plain_loss, batch, blocks={"1/*": "diagonal"}), est.stats,
+       r"statistics of layer '1[^']*' do not fit its block"),
+      (kfl.kfac(plain_loss, batch), fewer.stats,
+       r"no statistics for layer '1")):
+    with pytest.raises(ValueError, match=match) as info:
+      tx.update(est.grads, tx.init(params), params, stats=stats)
+    assert "same blocks=" in str(info.value)
+
+
 def dropout_loss(params, batch):
   """``loss_fn`` with dropout on the hidden layer, its key in the batch."""
   h = jnp.tanh(batch["x"] @ params[0]["w"] + params[0]["b"])

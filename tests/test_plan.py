@@ -153,7 +153,8 @@ def test_transform_follows_the_plan():
     due.append(bool(kfl.stats_due(state)))
     state = update(state)
     refreshed.append(int(state.blocks["w1"].a.cache.step))
-  assert due == [i % k == 0 for i in range(t + 1)]
+  young = lambda i: 0 < i < k and i & (i - 1) == 0  # 1, 2, 4, ... below K.
+  assert due == [i % k == 0 or young(i) for i in range(t + 1)]
   assert refreshed[-1] == t  # The refresh at step T (count t).
   assert refreshed[t - 1] < t
 
@@ -198,8 +199,8 @@ def _effective_examples(weights, m):
 
 
 def test_ema_horizon_in_examples_is_kept_under_sparser_statistics():
-  """Statistics every ``K`` steps average as many examples as every step
-  (float64). One dense layer without bias whose step-``t`` batch is ``M``
+  """Statistics every ``K`` steps (and at the young steps) average as many
+  examples as every step (float64). One dense layer without bias whose step-``t`` batch is ``M``
   copies of the one-hot input ``e_t``: the input factor's diagonal is then
   the EMA's weight of each step's statistics, read from the real state."""
   with jax.enable_x64(True):
@@ -226,16 +227,18 @@ def test_ema_horizon_in_examples_is_kept_under_sparser_statistics():
       return np.diagonal(np.asarray(a.cov / a.weight), axis1=-2,
                          axis2=-1).reshape(-1)
 
-    every = weights(1, n)
     sparse = weights(k, n * k)
-    assert np.count_nonzero(sparse) == n  # Steps 0, K, 2K, ...
+    # Steps 0, K, 2K, ... and the young steps 1, 2 (1, 2, 4, ... below K).
+    steps = sorted({0, 1, 2} | set(range(0, n * k, k)))
+    np.testing.assert_array_equal(np.flatnonzero(sparse), steps)
+    every = weights(1, len(steps))  # As many updates, every step.
     np.testing.assert_allclose(every.sum(), 1.0, rtol=1e-12)
     np.testing.assert_allclose(sparse.sum(), 1.0, rtol=1e-12)
     np.testing.assert_allclose(
-        _effective_examples(sparse[sparse > 0], m),
+        _effective_examples(sparse[steps], m),
         _effective_examples(every, m), rtol=1e-12)
     # And the weights are the same EMA's, update for update.
-    np.testing.assert_allclose(sparse[::k][:n], every[:n], rtol=1e-12)
+    np.testing.assert_allclose(sparse[steps], every[:len(steps)], rtol=1e-12)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.5])

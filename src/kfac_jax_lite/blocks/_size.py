@@ -22,7 +22,6 @@ block keeps its 768- and 769-wide sides dense and its 2304- and
 3072-wide ones diagonal."""
 
 
-
 def beyond_limit(side: int, max_dense_side: int | None) -> bool:
   """Whether a factor side of ``side`` is over the size policy's limit."""
   return max_dense_side is not None and side > max_dense_side

@@ -231,7 +231,7 @@ class KroneckerConv(ConvConfig, base.KroneckerBlock):
   the output locations; ``repeats``: see ``ConvConfig``;
   ``max_dense_side``: a factor side (a group's patch, ``window · in + 1``,
   or its output channels) larger than this keeps only its diagonal
-  (``_size.MAX_DENSE_SIDE``; None: no limit).
+  (``blocks.MAX_DENSE_SIDE``; None: no limit).
   Parameters: ``(kernel,)`` or ``(kernel, bias)`` with ``bias [out]``.
   """
 

@@ -33,7 +33,7 @@ class KroneckerEmbedding(base.KroneckerBlock):
   """Kronecker block of an embedding table ``[vocab_size, dim]``.
 
   ``max_dense_side``: an output factor (``dim``) larger than this keeps
-  only its diagonal (``_size.MAX_DENSE_SIDE``; None: no limit); the input
+  only its diagonal (``blocks.MAX_DENSE_SIDE``; None: no limit); the input
   factor is always diagonal. Parameters: ``(table,)``.
   """
 

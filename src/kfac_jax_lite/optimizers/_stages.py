@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from kfac_jax_lite import estimators
+from kfac_jax_lite import factor as fac
+from kfac_jax_lite.blocks import KroneckerState
 from kfac_jax_lite.blocks import base as blocks_base
 
 
@@ -51,8 +53,15 @@ def is_refresh_step(count, inverse_every):
   intervals keep the cache no more than half as old as the statistics, for
   ``log2(inverse_every)`` extra refreshes per run.
   """
-  young = (count > 0) & (count < inverse_every) & ((count & (count - 1)) == 0)
-  return (count % inverse_every == 0) | young
+  return (count % inverse_every == 0) | is_young_step(count, inverse_every)
+
+
+def is_young_step(count, every):
+  """Steps 1, 2, 4, 8, ... below ``every``: the extra statistics
+  (``_planning.stats_due``) and refreshes (``is_refresh_step``) of a young
+  run, when the EMA gives the newest batch a weight of about ``1/(t+1)``
+  and the parameters move fastest."""
+  return (count > 0) & (count < every) & ((count & (count - 1)) == 0)
 
 
 def _owner_mask(index, axis_name):
@@ -79,11 +88,55 @@ def statistics(tagged, params, batch, key, states, *, estimation,
   return jax.lax.pmean(out, axis_name) if axis_name else out
 
 
+_STATS_FIX = ("statistics from kfl.value_grad_and_stats (stats=) must come "
+              "from the transform's own blocks: give value_grad_and_stats "
+              "the same blocks= (and exclude=) as the transform")
+
+
 def accumulate(layers, states, stats, cov_decay):
   """Folds ``stats`` into every block's factors (EMA of decay ``cov_decay``;
-  non-finite statistics leave a factor as it was)."""
-  return {l.name: l.block.update(states[l.name], stats[l.name], cov_decay)
-          for l in layers}
+  non-finite statistics leave a factor as it was). Statistics missing for a
+  layer, or not of its block's shapes (an estimate made with other
+  ``blocks=``), are a ``ValueError`` naming the layer and the fix."""
+  out = {}
+  for l in layers:
+    if l.name not in stats:
+      raise ValueError(
+          f"no statistics for layer {l.name!r} (given for "
+          f"{sorted(k for k in stats if not k.startswith('~'))[:4]}...): "
+          f"{_STATS_FIX}")
+    misfit = _misfit(states[l.name], stats[l.name])
+    try:
+      if misfit is None:
+        out[l.name] = l.block.update(states[l.name], stats[l.name],
+                                     cov_decay)
+    except (ValueError, TypeError) as e:
+      misfit = str(e)
+    if misfit is not None:
+      raise ValueError(f"the statistics of layer {l.name!r} do not fit its "
+                       f"block {l.block!r} ({misfit}); {_STATS_FIX}")
+  return out
+
+
+def _shapes(tree):
+  return [tuple(jnp.shape(x)) for x in jax.tree.leaves(tree)]
+
+
+def _misfit(state, stats):
+  """Why ``stats`` cannot be a Kronecker or one-factor block's statistics
+  (``state``), or None (other blocks check their own)."""
+  if isinstance(state, KroneckerState):
+    want = KroneckerState(state.a.cov, state.g.cov)
+  elif isinstance(state, fac.FactorState):
+    want = state.cov
+  else:
+    return None
+  if (jax.tree.structure(stats) != jax.tree.structure(want)
+      or _shapes(stats) != _shapes(want)):
+    return (f"given {type(stats).__name__} of shapes {_shapes(stats)}, "
+            f"its factors take {type(want).__name__} of shapes "
+            f"{_shapes(want)}")
+  return None
 
 
 def refresh_needs(layers, states, damping_ok, due):

@@ -9,7 +9,10 @@ Each ``update``:
    most frequent statistics and refreshes whose mean step the cost model
    prices within ``budget`` SGD steps (``kfl.estimators``' ``_plan``;
    ``kfl.describe`` prints the plan);
-1. every ``cov_every`` steps (and while a block is not ready), takes
+1. every ``cov_every`` steps (from step 0; while the statistics are young
+   also at steps 1, 2, 4, 8, ... below ``cov_every``, so that the young
+   refreshes below decompose new statistics; and while a block is not
+   ready), takes
    ``stats=`` from
    ``kfl.value_grad_and_stats`` (the forward pass shared with the
    gradient: the README's way), or estimates the statistics of every block
