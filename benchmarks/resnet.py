@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import time
 
 import jax
@@ -41,6 +40,7 @@ import optax
 from flax import linen as nn
 
 from _kfl import kfl
+from _sizes import describe_and_state, footer, gib, nbytes, timed_run
 
 WEIGHT_DECAY = 1e-4
 
@@ -86,14 +86,6 @@ class ResNet(nn.Module):
     return nn.Dense(self.classes)(jnp.mean(x, axis=(1, 2)))
 
 
-def nbytes(tree):
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def gib(n):
-  return f"{n / 2**30:.2f} GiB"
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--steps", type=int, default=20)
@@ -132,23 +124,8 @@ def main(argv=None):
         f"{sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M params, "
         f"{gib(pbytes)}; JAX {jax.__version__}, "
         f"{jax.devices()[0].platform}", flush=True)
-  t = time.perf_counter()
-  table = kfl.describe(loss_fn, params, example, has_aux=True)
-  t_describe = time.perf_counter() - t
-  print(f"describe: {t_describe:.1f} s")
-  print("\n".join(l for l in str(table).splitlines()
-                  if "blocks," in l or l.startswith(("step price", "plan"))))
-  sizes = {}
-  for name, blocks in (("policy (default)", None),
-                       ("no policy", {"conv": {"max_dense_side": None},
-                                      "dense": {"max_dense_side": None}})):
-    tx = kfl.kfac(loss_fn, example, has_aux=True, blocks=blocks)
-    try:
-      sizes[name] = nbytes(jax.eval_shape(tx.init, params))
-      print(f"K-FAC state, {name}: {gib(sizes[name])} = "
-            f"{sizes[name] / pbytes:.2f}x the parameters", flush=True)
-    except ValueError as e:
-      print(f"K-FAC state, {name}: tx.init refuses: {str(e)[:160]}...")
+  t_describe, sizes = describe_and_state(loss_fn, params, example,
+                                         ("conv", "dense"), has_aux=True)
 
   if args.no_train:
     return
@@ -178,22 +155,15 @@ def main(argv=None):
             p, batch)
         u, state = tx.update(g, state, p)
         return optax.apply_updates(p, u), state, stats, loss
-    times, losses = [], []
-    for i in range(args.steps):
+    carry = [p, state, stats]
+
+    def one_step(i):
       x, y = make_batch()
-      t = time.perf_counter()
       p, state, stats, loss = jax.block_until_ready(
-          step(p, state, stats, x, y, jax.random.PRNGKey(i)))
-      times.append(time.perf_counter() - t + (t - t0 if i == 0 else 0.0))
-      losses.append(float(loss))
-    rest = times[1:] or times
-    out = dict(label=label, first=times[0], median=statistics.median(rest),
-               mean=statistics.fmean(rest),
-               loss=float(np.mean(losses[-5:])), state=state)
-    print(f"{label:<30} first step {out['first']:6.1f} s  median "
-          f"{out['median']:.3f} s  mean {out['mean']:.3f} s  loss (last 5) "
-          f"{out['loss']:.4f}", flush=True)
-    return out
+          step(*carry, x, y, jax.random.PRNGKey(i)))
+      carry[:] = [p, state, stats]
+      return loss, state
+    return timed_run(label, args.steps, t0, one_step)
 
   runs = [run("sgd momentum lr 0.1", lambda: optax.sgd(0.1, momentum=0.9),
               False),
@@ -212,10 +182,7 @@ def main(argv=None):
           f"{r['first'] / adamw['first']:.2f}x | {r['mean']:.3f} s | "
           f"{r['mean'] / sgd['mean']:.2f}x | "
           f"{r['mean'] / adamw['mean']:.2f}x | {r['loss']:.4f} |")
-  print(f"\nstate: {gib(sizes.get('policy (default)', 0))} "
-        f"({sizes.get('policy (default)', 0) / pbytes:.2f}x params); "
-        f"describe {t_describe:.1f} s")
-  print(kfl.health(runs[2]["state"]))
+  footer(sizes, pbytes, t_describe, runs[2]["state"])
 
 
 if __name__ == "__main__":

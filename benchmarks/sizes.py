@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import pathlib
-import statistics
 import time
 
 import jax
@@ -35,6 +34,7 @@ import optax
 from flax import linen as nn
 
 from _kfl import kfl
+from _sizes import describe_and_state, footer, gib, nbytes, timed_run
 
 
 class Block(nn.Module):
@@ -84,14 +84,6 @@ def text_batches(batch, context, seed=0):
     yield np.stack([ids[i:i + context + 1] for i in at])
 
 
-def nbytes(tree):
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def gib(n):
-  return f"{n / 2**30:.2f} GiB"
-
-
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--small", action="store_true")
@@ -119,23 +111,8 @@ def main():
         f"context {context}, batch {args.batch}; "
         f"{sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M params, "
         f"{gib(pbytes)}; JAX {jax.__version__}, {jax.devices()[0].platform}")
-  t = time.perf_counter()
-  table = kfl.describe(loss_fn, params, example)
-  t_describe = time.perf_counter() - t
-  print(f"describe: {t_describe:.1f} s")
-  print("\n".join(l for l in str(table).splitlines()
-                  if "blocks," in l or l.startswith(("step price", "plan"))))
-  sizes = {}
-  for name, blocks in (("policy (default)", None),
-                       ("no policy", {"dense": {"max_dense_side": None},
-                                      "embedding": {"max_dense_side": None}})):
-    tx = kfl.kfac(loss_fn, example, blocks=blocks)
-    try:
-      sizes[name] = nbytes(jax.eval_shape(tx.init, params))
-      print(f"K-FAC state, {name}: {gib(sizes[name])} = "
-            f"{sizes[name] / pbytes:.2f}x the parameters")
-    except ValueError as e:
-      print(f"K-FAC state, {name}: tx.init refuses: {str(e)[:160]}...")
+  t_describe, sizes = describe_and_state(loss_fn, params, example,
+                                         ("dense", "embedding"))
 
   if args.no_train:
     return
@@ -161,24 +138,17 @@ def main():
         loss, g = jax.value_and_grad(loss_fn)(p, batch)
         u, state = tx.update(g, state, p)
         return optax.apply_updates(p, u), state, loss
-    times, losses = [], []
     stream = text_batches(args.batch, context)
-    for i in range(args.steps):
+    carry = [p, state]
+
+    def one_step(i):
       b = next(stream)
       batch = {"ids": jnp.asarray(b[:, :-1]), "y": jnp.asarray(b[:, 1:])}
-      t = time.perf_counter()
       p, state, loss = jax.block_until_ready(
-          step(p, state, batch, jax.random.PRNGKey(i)))
-      times.append(time.perf_counter() - t + (t - t0 if i == 0 else 0.0))
-      losses.append(float(loss))
-    rest = times[1:]
-    out = dict(label=label, first=times[0], median=statistics.median(rest),
-               mean=statistics.fmean(rest),
-               loss=float(np.mean(losses[-5:])), state=state)
-    print(f"{label:<28} first step {out['first']:6.1f} s  median "
-          f"{out['median']:.3f} s  mean {out['mean']:.3f} s  loss (last 5) "
-          f"{out['loss']:.4f}", flush=True)
-    return out
+          step(*carry, batch, jax.random.PRNGKey(i)))
+      carry[:] = [p, state]
+      return loss, state
+    return timed_run(label, args.steps, t0, one_step)
 
   runs = [run("adamw lr 1e-3", lambda: optax.adamw(1e-3), False),
           run("adamw lr 3e-4", lambda: optax.adamw(3e-4), False),
@@ -197,10 +167,7 @@ def main():
     print(f"| {r['label']} | {r['first']:.1f} s | "
           f"{r['first'] / adam['first']:.2f}x | {r['mean']:.3f} s | "
           f"{r['mean'] / adam['mean']:.2f}x | {r['loss']:.4f} |")
-  print(f"\nstate: {gib(sizes.get('policy (default)', 0))} "
-        f"({sizes.get('policy (default)', 0) / pbytes:.2f}x params); "
-        f"describe {t_describe:.1f} s")
-  print(kfl.health(runs[2]["state"]))
+  footer(sizes, pbytes, t_describe, runs[2]["state"])
 
 
 if __name__ == "__main__":
