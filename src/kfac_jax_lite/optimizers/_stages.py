@@ -106,12 +106,12 @@ def accumulate(layers, states, stats, cov_decay):
           f"{sorted(k for k in stats if not k.startswith('~'))[:4]}...): "
           f"{_STATS_FIX}")
     misfit = _misfit(states[l.name], stats[l.name])
-    try:
-      if misfit is None:
+    if misfit is None:  # Other block kinds: their own shape errors.
+      try:
         out[l.name] = l.block.update(states[l.name], stats[l.name],
                                      cov_decay)
-    except (ValueError, TypeError) as e:
-      misfit = str(e)
+      except (ValueError, TypeError) as e:
+        misfit = str(e)
     if misfit is not None:
       raise ValueError(f"the statistics of layer {l.name!r} do not fit its "
                        f"block {l.block!r} ({misfit}); {_STATS_FIX}")
