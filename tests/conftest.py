@@ -90,11 +90,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-  if (not hasattr(config, "workerinput")  # xdist's controller, or no xdist.
-      and os.environ["JAX_COMPILATION_CACHE_DIR"] == _JAX_CACHE):
+  controller = not hasattr(config, "workerinput")  # Or no xdist.
+  if controller and os.environ["JAX_COMPILATION_CACHE_DIR"] == _JAX_CACHE:
     _trim_jax_cache(_JAX_CACHE, _JAX_CACHE_BYTES)
-  if (not hasattr(config, "workerinput")
-      and getattr(config.option, "testrunuid", "absent") is None):
+  if controller and getattr(config.option, "testrunuid", "absent") is None:
     # xdist's controller: the run's id chosen here (xdist would choose one
     # of its own) so that pytest_unconfigure can remove the results its
     # workers shared (``_cpu_devices.shared_across_workers``).
