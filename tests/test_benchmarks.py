@@ -405,9 +405,10 @@ def test_sharded_curvature_rows(monkeypatch, capsys):
       continue
     r, (most, mean) = rest
     # Covariances and their cached inverses, float32, plus small counters.
-    copies = 3 if lay == "sharded+inv" else 2  # (+ 1: the stored stats slot)
+    # No stored statistics between steps (a third copy until issue 47).
+    copies = 3 if lay == "sharded+inv" else 2
     assert copies * 4 * factors <= r["state_dev"] == r["state_total"] < (
-        (copies + 1) * 4 * factors + 2 ** 18), lay
+        copies * 4 * factors + 2 ** 18), lay
     assert all(v["ring_every"] == v["ring_cond"] == 0
                for v in r["colls"].values()), lay
     if lay == "gspmd":  # XLA drops the collectives of one device.

@@ -211,6 +211,47 @@ def test_stored_batch_read_at_run_time():
 
 
 
+def _slot(opt_state):
+  """The stored batch/statistics slot of a ``LINEN_TX`` state."""
+  return getattr(opt_state, "pending", None) or opt_state[0].pending
+
+
+def _nbytes(tree):
+  return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("name", sorted(LINEN_TX))
+def test_stored_stats_are_used_once_and_not_kept(name):
+  """Statistics stored by ``kfl.with_stats`` are used by the next update
+  and dropped (issue 47: the slot kept zeros of the statistics, the
+  factors' size, from ``init`` on). ``init``'s slot is the example batch's
+  zeros and three scalars; statistics stored outside a jitted update give
+  the update the keyword arguments give, and the state comes out without
+  them: the structure and bytes of ``init``'s state."""
+  _, params, loss_fn = _linen()
+  tx = LINEN_TX[name](loss_fn)
+  state = tx.init(params)
+  assert _slot(state).stats is None
+  # The batch, the loss, the kind and the missing count: nothing else.
+  assert _nbytes(_slot(state)) == _nbytes(BATCH) + 12
+  est = kfl.value_grad_and_stats(loss_fn, params, BATCH)(
+      params, BATCH, jax.random.PRNGKey(0))
+  batch = BATCH if name == "kfac_optimizer" else None  # Its model's.
+  stored = kfl.with_stats(state, est, batch)
+  assert _nbytes(stored) == _nbytes(state) + _nbytes(est.stats)
+  u, new = jax.jit(tx.update)(est.grads, stored, params)
+  want, _ = jax.jit(lambda g, s, p, st, l: tx.update(
+      g, s, p, stats=st, loss=l, **({} if batch is None else
+                                    {"batch": batch})))(
+          est.grads, state, params, est.stats, est.loss)
+  assert any(jnp.any(x != 0) for x in jax.tree.leaves(u))
+  for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  assert _slot(new).stats is None
+  assert jax.tree.structure(new) == jax.tree.structure(state)
+  assert _nbytes(new) == _nbytes(state)
+  assert kfl.health(new).steps == 1
+
 def test_train_state_without_batch_names_the_fix():
   from flax.training import train_state
   model, params, loss_fn = _linen()

@@ -151,8 +151,6 @@ from kfac_jax_lite.estimators._onepass import (
     value_grad_and_stats as value_grad_and_stats)
 from kfac_jax_lite.estimators._first_step import (
     refusal as first_step_refusal)
-from kfac_jax_lite.estimators._first_step import (
-    check as first_step_check)
 from kfac_jax_lite.estimators._describe import Row as Row
 from kfac_jax_lite.estimators._describe import Table as Table
 from kfac_jax_lite.estimators._describe import describe as describe

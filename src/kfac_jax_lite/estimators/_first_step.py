@@ -22,15 +22,6 @@ from kfac_jax_lite.factor import float_dtype
 def refusal(tagged, params, batch, estimation="fisher", num_samples=1):
   """None, or the first step's error on ``batch`` (module doc);
   ``tagged`` has its blocks (``TaggedLoss.with_blocks``)."""
-  return check(tagged, params, batch, estimation, num_samples)[0]
-
-
-def check(tagged, params, batch, estimation="fisher", num_samples=1):
-  """``(refusal, stats)``: ``refusal``'s answer, and the
-  ``jax.ShapeDtypeStruct``s of the statistics pass's ``Estimate.stats``
-  on ``batch`` from the same trace (None where it was refused or
-  skipped), which ``init`` gives the state's slot for stored statistics
-  (``kfl.with_stats``)."""
   leaves = jax.tree.leaves(params)
 
   def one(p, b):
@@ -40,16 +31,15 @@ def check(tagged, params, batch, estimation="fisher", num_samples=1):
     est = estimate(tagged, p, b, jax.random.PRNGKey(0),
                    estimation=estimation, num_samples=num_samples,
                    states=states)
-    return est.stats, {l.name: l.block.update(
-        states[l.name], est.stats[l.name], 0.95) for l in tagged.layers}
+    return {l.name: l.block.update(states[l.name], est.stats[l.name], 0.95)
+            for l in tagged.layers}
   try:
-    stats, _ = jax.eval_shape(one, jax.tree.map(tagging.abstract_value,
-                                                params),
-                              jax.tree.map(tagging.abstract_value, batch))
+    jax.eval_shape(one, jax.tree.map(tagging.abstract_value, params),
+                   jax.tree.map(tagging.abstract_value, batch))
   except NameError as e:  # An axis name bound only inside the mesh.
     if "axis name" in str(e):
-      return None, None
-    return f"{type(e).__name__}: {e}", None
+      return None
+    return f"{type(e).__name__}: {e}"
   except Exception as e:  # noqa: BLE001 (any refusal is reported)
-    return f"{type(e).__name__}: {e}", None
-  return None, stats
+    return f"{type(e).__name__}: {e}"
+  return None

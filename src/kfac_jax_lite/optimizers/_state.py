@@ -34,9 +34,9 @@ class KfacState(NamedTuple):
     pending: the slot (``_pending.Pending``) of the batch/statistics that
       ``update`` uses when called without ``batch=``/``stats=``
       (``kfl.with_batch``, ``kfl.with_stats``): made by ``init`` with
-      zeros of the example batch and its statistics, so that storing them
-      keeps the state's structure (one compile); ``update`` returns it
-      unchanged. None inside ``kfl.kfac_optimizer``'s state (whose own
+      zeros of the example batch, so that storing a batch keeps the
+      state's structure (one compile); ``update`` returns it without the
+      statistics (used once). None inside ``kfl.kfac_optimizer``'s state (whose own
       slot it is), after ``kfl.with_batch(state, None)`` and in states of
       older versions.
   """

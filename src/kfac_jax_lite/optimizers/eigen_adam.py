@@ -312,15 +312,9 @@ def _init(cfg: _EigenAdam, params) -> EigenAdamState:
                               "kfl.eigen_adam")
   leaves = jax.tree.leaves(params)
   layers = S.rotated(tagged)
-  c, stats = cfg.curvature, None
-  if cfg.adam.basis == "kfac":  # Estimate.stats' shapes, for kfl.with_stats.
-    stats = estimators.first_step_check(
-        tagged, params, estimators.stats_slice(
-            cfg.example_batch, c.stats_fraction, examples=tagged.examples),
-        c.estimation, c.num_samples)[1]
   # The factors, and Adam's two moments and the stored batch's slot.
   _memory.check_fits(layers, params, "kfl.eigen_adam",
-                     extra=(params, params, cfg.example_batch, stats))
+                     extra=(params, params, cfg.example_batch))
   covered = {i for l in layers for i in l.leaves}
   states = {l.name: l.block.init(float_dtype(
       [leaves[i] for i in l.leaves])) for l in layers}
@@ -338,7 +332,7 @@ def _init(cfg: _EigenAdam, params) -> EigenAdamState:
       blocks=states, mu_basis={l.name: moment(l) for l in layers},
       nu_basis={l.name: moment(l) for l in layers}, mu=plain(), nu=plain(),
       **_eigen_guard.init(params),
-      pending=_pending.empty(cfg.example_batch, stats, float_dtype(leaves)))
+      pending=_pending.empty(cfg.example_batch, float_dtype(leaves)))
 
 
 def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,

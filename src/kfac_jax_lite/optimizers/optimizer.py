@@ -135,7 +135,8 @@ class KfacOptimizerState(NamedTuple):
     pending: the slot (``_pending.Pending``) of the batch (and
       statistics) ``update`` uses when called without ``batch=``
       (``kfl.with_batch``, ``kfl.with_stats``): made by ``init`` (zeros of
-      the example batch's shapes), returned unchanged; the inner ``kfac``
+      the example batch's shapes), returned without the statistics (used
+      once); the inner ``kfac``
       state has none (None).
   """
 

@@ -337,7 +337,7 @@ def _init(cfg: _Kfac, params) -> KfacState:
   _find.check_not_in_multisteps("kfl.kfac")
   tagged = cfg.layers(params)
   estimators.check_has_loss(tagged, c.estimation, "kfl.kfac")
-  refused, stats = estimators.first_step_check(
+  refused = estimators.first_step_refusal(
       tagged, params, estimators.stats_slice(
           cfg.example_batch, c.stats_fraction, examples=tagged.examples),
       c.estimation, c.num_samples)
@@ -346,7 +346,7 @@ def _init(cfg: _Kfac, params) -> KfacState:
                      f"batch (see kfl.describe): {refused}")
   if cfg.layout != "sharded":  # Sharded: each device holds its share.
     _memory.check_fits(tagged.layers, params, "kfl.kfac",
-                       extra=(cfg.example_batch, stats))  # With the slot.
+                       extra=cfg.example_batch)  # With the batch's slot.
   leaves = jax.tree.leaves(params)
   zero = lambda: jnp.zeros((), jnp.int32)  # Own buffers: donatable.
   blocks = {l.name: l.block.init(float_dtype([leaves[i] for i in l.leaves]))
@@ -361,12 +361,7 @@ def _init(cfg: _Kfac, params) -> KfacState:
       num_nonfinite_params=zero(),
       health=_health_state.init(params, float_dtype(leaves)),
       stats_due=jnp.ones((), jnp.int32),
-      # With mesh= the estimate's statistics come per device ([D, ...],
-      # placed on the mesh): not kept here (D copies on one device).
-      pending=_pending.empty(cfg.example_batch,
-                             None if cfg.preconditioner.mesh is not None
-                             else stats,
-                             float_dtype(leaves)))
+      pending=_pending.empty(cfg.example_batch, float_dtype(leaves)))
 
 
 def _update(cfg: _Kfac, updates, state, params=None, *, batch=None,
