@@ -165,6 +165,24 @@ def test_init_refuses_a_state_that_does_not_fit(monkeypatch):
   kfl.kfac(loss_fn, batch).init(params)  # Fits.
 
 
+def test_init_counts_the_refreshs_workspace(monkeypatch):
+  """The memory check counts, beyond the state and four copies of the
+  parameters, the refresh's workspace: two arrays of the largest factor's
+  size (its 201-side input factor here). A device short of that by one
+  byte refuses, naming the workspace; one that has it accepts."""
+  from kfac_jax_lite.optimizers import _memory
+  params, batch, loss_fn = _mlp((6, 200, 3))
+  leaf_bytes = lambda t: sum(x.size * x.dtype.itemsize
+                             for x in jax.tree.leaves(t))
+  blocks = kfl.describe(loss_fn, params, batch).total_bytes
+  largest = 201 * 201 * 4  # The second layer's float32 input factor.
+  need = blocks + leaf_bytes(batch) + 4 * leaf_bytes(params) + 2 * largest
+  monkeypatch.setattr(_memory, "device_bytes", lambda leaves: need - 1)
+  with pytest.raises(ValueError, match="refresh's workspace"):
+    kfl.kfac(loss_fn, batch).init(params)
+  monkeypatch.setattr(_memory, "device_bytes", lambda leaves: need)
+  kfl.kfac(loss_fn, batch).init(params)  # Fits.
+
 @pytest.mark.parametrize("basis", ["kfac", "shampoo"])
 def test_eigen_adam_with_both_sides_diagonal_is_adam(basis):
   """A layer whose two sides are diagonal has the identity for both

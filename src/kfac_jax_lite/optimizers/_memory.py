@@ -4,8 +4,10 @@
 their shapes alone (``jax.eval_shape``: nothing is allocated), with the
 rest of the state (``extra``), and refuses, with
 the fixes named, a state that together with the parameters, their
-gradients and the update (three more copies of the parameters) would not
-fit the memory of the device the parameters live on: a GPU's
+gradients and the update (three more copies of the parameters) and the
+refresh's workspace (two matrices of the largest factor's size: the damped
+factor it inverts and the inverse it writes before the old one is freed)
+would not fit the memory of the device the parameters live on: a GPU's
 ``bytes_limit``, or the host's physical memory on a CPU.
 """
 from __future__ import annotations
@@ -57,17 +59,22 @@ def check_fits(layers, params, where, extra=None, limit=None):
   their blocks) and ``extra`` (the rest of the state: arrays or
   ``ShapeDtypeStruct``s, e.g. the stored batch's slot or Adam's moments)
   would need more memory, with ``params`` and three copies of them, than
-  the device has (``limit``: its bytes, ``device_bytes`` if None); the
-  message gives the state's bytes, its largest blocks and the fixes."""
+  the device has (``limit``: its bytes, ``device_bytes`` if None), with
+  the refresh's workspace, two arrays of the size of the largest array of
+  any block's state (module docstring); the message gives the state's
+  bytes, its largest blocks and the fixes."""
   leaves = jax.tree.leaves(params)
   limit = device_bytes(leaves) if limit is None else limit
   if not limit:
     return
   priced: dict = {}  # Repeated layers (equal blocks) priced once.
 
-  def price(l):
+  def price(l):  # (the block state's bytes, its largest array's)
     dtype = float_dtype([leaves[i] for i in l.leaves])
-    fn = lambda: _bytes(jax.eval_shape(lambda: l.block.init(dtype)))
+
+    def fn():
+      shapes = jax.tree.leaves(jax.eval_shape(lambda: l.block.init(dtype)))
+      return _bytes(shapes), max(map(_bytes, shapes), default=0)
     try:
       key = (l.block, jax.numpy.dtype(dtype))
       if key not in priced:
@@ -75,17 +82,21 @@ def check_fits(layers, params, where, extra=None, limit=None):
       return priced[key]
     except TypeError:  # An unhashable (duck-typed) block.
       return fn()
-  sizes = {l.name: price(l) for l in layers}
+  prices = {l.name: price(l) for l in layers}
+  sizes = {name: b for name, (b, _) in prices.items()}
   state = sum(sizes.values()) + _bytes(extra)
+  workspace = 2 * max((m for _, m in prices.values()), default=0)
   param_bytes = _bytes(params)
-  if state + 4 * param_bytes <= limit:
+  if state + 4 * param_bytes + workspace <= limit:
     return
   largest = sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
   raise ValueError(
       f"{where}: the curvature state needs {human_bytes(state)} "
       f"({state / max(param_bytes, 1):.1f}x the parameters' "
-      f"{human_bytes(param_bytes)}), which with the parameters, gradients and "
-      f"update does not fit the device's {human_bytes(limit)}; largest blocks: "
+      f"{human_bytes(param_bytes)}), which with the parameters, gradients, "
+      f"update and the refresh's workspace ({human_bytes(workspace)}: two "
+      "copies of the largest factor) does not fit the device's "
+      f"{human_bytes(limit)}; largest blocks: "
       + ", ".join(f"{n} {human_bytes(b)}" for n, b in largest)
       + ". Keep large factor sides diagonal (blocks={'dense': "
       "{'max_dense_side': 1024}}, or per layer by path), give those layers "
