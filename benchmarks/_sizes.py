@@ -22,24 +22,35 @@ def gib(n):
   return f"{n / 2**30:.2f} GiB"
 
 
-def describe_and_state(loss_fn, params, example, kinds, **options):
+def policy(kinds, max_dense_side):
+  """``blocks=`` moving the size policy's limit for the layer ``kinds``
+  (None where ``max_dense_side`` is None: the default limit)."""
+  if max_dense_side is None:
+    return None
+  return {k: {"max_dense_side": max_dense_side} for k in kinds}
+
+
+def describe_and_state(loss_fn, params, example, kinds, blocks=None,
+                       **options):
   """Prints ``kfl.describe``'s time, its bytes, price and plan lines, and
   the K-FAC state's bytes (``jax.eval_shape(tx.init)``: nothing allocated)
-  at the default size policy and with it off for the layer ``kinds``
-  (``max_dense_side=None``); a state ``tx.init`` refuses is said so.
-  Returns ``(describe seconds, {policy name: bytes})``."""
+  at the size policy of ``blocks`` (None: the default limit) and with it
+  off for the layer ``kinds`` (``max_dense_side=None``); a state
+  ``tx.init`` refuses is said so. Returns ``(describe seconds, {policy
+  name: bytes})``; the first policy is named ``"policy (default)"`` even
+  where ``blocks`` moves the limit (the header says which)."""
   pbytes = nbytes(params)
   t = time.perf_counter()
-  table = kfl.describe(loss_fn, params, example, **options)
+  table = kfl.describe(loss_fn, params, example, blocks=blocks, **options)
   t_describe = time.perf_counter() - t
   print(f"describe: {t_describe:.1f} s")
   print("\n".join(l for l in str(table).splitlines()
                   if "blocks," in l or l.startswith(("step price", "plan"))))
   sizes = {}
-  for name, blocks in (("policy (default)", None),
+  for name, chosen in (("policy (default)", blocks),
                        ("no policy", {k: {"max_dense_side": None}
                                       for k in kinds})):
-    tx = kfl.kfac(loss_fn, example, blocks=blocks, **options)
+    tx = kfl.kfac(loss_fn, example, blocks=chosen, **options)
     try:
       sizes[name] = nbytes(jax.eval_shape(tx.init, params))
       print(f"K-FAC state, {name}: {gib(sizes[name])} = "

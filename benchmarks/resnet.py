@@ -40,7 +40,8 @@ import optax
 from flax import linen as nn
 
 from _kfl import kfl
-from _sizes import describe_and_state, footer, gib, nbytes, timed_run
+from _sizes import (describe_and_state, footer, gib, nbytes, policy,
+                    timed_run)
 
 WEIGHT_DECAY = 1e-4
 
@@ -93,7 +94,11 @@ def main(argv=None):
   ap.add_argument("--no-train", action="store_true",
                   help="only the state's bytes and describe's time")
   ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--max-dense-side", type=int, default=None,
+                  help="the size policy's limit for the conv and dense "
+                  "layers (default: kfl.blocks.MAX_DENSE_SIDE)")
   args = ap.parse_args(argv)
+  blocks = policy(("conv", "dense"), args.max_dense_side)
   stages, width, classes, side = (((1, 1, 1, 1), 16, 10, 64) if args.quick
                                   else ((3, 4, 6, 3), 64, 1000, 224))
   model = ResNet(stages, width, classes)
@@ -123,9 +128,11 @@ def main(argv=None):
         f"{side}x{side} inputs, batch {args.batch}; "
         f"{sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M params, "
         f"{gib(pbytes)}; JAX {jax.__version__}, "
-        f"{jax.devices()[0].platform}", flush=True)
+        f"{jax.devices()[0].platform}; max_dense_side "
+        f"{args.max_dense_side or kfl.blocks.MAX_DENSE_SIDE}", flush=True)
   t_describe, sizes = describe_and_state(loss_fn, params, example,
-                                         ("conv", "dense"), has_aux=True)
+                                         ("conv", "dense"), blocks,
+                                         has_aux=True)
 
   if args.no_train:
     return
@@ -169,7 +176,8 @@ def main(argv=None):
               False),
           run("adamw lr 1e-3", lambda: optax.adamw(1e-3), False),
           run("kfac + sgd lr 0.01 (defaults)",
-              lambda: optax.chain(kfl.kfac(loss_fn, example, has_aux=True),
+              lambda: optax.chain(kfl.kfac(loss_fn, example, has_aux=True,
+                                           blocks=blocks),
                                   optax.sgd(0.01, momentum=0.9)), True)]
   sgd, adamw = runs[0], runs[1]
   print()
