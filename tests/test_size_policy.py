@@ -93,7 +93,7 @@ def test_the_default_limit_and_its_option():
   state is what the shapes say; ``max_dense_side`` must be a positive int
   or None."""
   head = B.KroneckerDense((768, 50257))
-  assert B.MAX_DENSE_SIDE == 2048
+  assert B.MAX_DENSE_SIDE == 1024
   assert (head.input_diagonal, head.output_diagonal) == (False, True)
   assert B.state_bytes(head) < 2 * 4 * (768 ** 2 + 50257) + 4096
   at_limit = B.KroneckerDense((B.MAX_DENSE_SIDE - 1, B.MAX_DENSE_SIDE),
