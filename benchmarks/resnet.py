@@ -144,7 +144,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     state = tx.init(p)
     if one_pass:
-      est_fn = kfl.value_grad_and_stats(loss_fn, p, example, has_aux=True)
+      est_fn = kfl.value_grad_and_stats(loss_fn, p, example, has_aux=True,
+                                        blocks=blocks)
 
       @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
       def step(p, state, stats, x, y, key):

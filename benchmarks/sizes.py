@@ -131,7 +131,7 @@ def main():
     t0 = time.perf_counter()
     state = tx.init(p)
     if one_pass:
-      est_fn = kfl.value_grad_and_stats(loss_fn, p, example)
+      est_fn = kfl.value_grad_and_stats(loss_fn, p, example, blocks=blocks)
 
       @functools.partial(jax.jit, donate_argnums=(0, 1))
       def step(p, state, batch, key):
