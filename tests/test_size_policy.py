@@ -49,7 +49,8 @@ def _embedding_blocks(limit, mode):
 
 @pytest.mark.parametrize("make,limit,diagonal", [
     (_dense_blocks, 6, (False, True)),     # A: 6 (5 + bias), G: 7.
-    (_dense_blocks, 5, (True, True)),
+    (_dense_blocks, 5, (False, True)),     # 5 inputs: the bias not counted.
+    (_dense_blocks, 4, (True, True)),
     (_conv_blocks, 4, (True, False)),      # A: 3·3·2 + 1 = 19, G: 4.
     (_embedding_blocks, 4, (True, True)),  # A always diagonal; G: 5.
 ])
@@ -99,6 +100,18 @@ def test_the_default_limit_and_its_option():
   at_limit = B.KroneckerDense((B.MAX_DENSE_SIDE - 1, B.MAX_DENSE_SIDE),
                               has_bias=True)
   assert not (at_limit.input_diagonal or at_limit.output_diagonal)
+  # The bias's row does not count: a layer as wide as the limit, with a
+  # bias (a factor side one over it), stays dense; one feature more not.
+  wide = B.KroneckerDense((B.MAX_DENSE_SIDE, 10), has_bias=True)
+  assert wide.factor_shapes[0] == (1, B.MAX_DENSE_SIDE + 1,
+                                   B.MAX_DENSE_SIDE + 1)
+  assert not wide.input_diagonal
+  assert B.KroneckerDense((B.MAX_DENSE_SIDE + 1, 10),
+                          has_bias=True).input_diagonal
+  assert B.KroneckerDense((B.MAX_DENSE_SIDE + 1, 10),
+                          has_bias=False).input_diagonal
+  assert not B.KroneckerDense((B.MAX_DENSE_SIDE, 10),
+                              has_bias=False).input_diagonal
   assert B.KroneckerDense((768, 50257), max_dense_side=None).factor_shapes[1] \
       == (1, 50257, 50257)
   for bad in (0, -3, 2.5, True, "big"):

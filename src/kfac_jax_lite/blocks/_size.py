@@ -1,7 +1,7 @@
 """The Kronecker blocks' size policy and the price of a block's state.
 
-A factor side over ``MAX_DENSE_SIDE`` (a block's ``max_dense_side``) keeps
-only its diagonal; ``state_bytes`` prices a block's state from its shapes
+A factor side over ``MAX_DENSE_SIDE`` (a block's ``max_dense_side``; an
+input side counted without the bias's row) keeps only its diagonal; ``state_bytes`` prices a block's state from its shapes
 alone, for ``kfl.describe`` and ``tx.init``'s memory check.
 """
 from __future__ import annotations
@@ -14,7 +14,9 @@ import jax
 MAX_DENSE_SIDE = 1024
 """The size policy of the Kronecker blocks (``KroneckerDense``,
 ``KroneckerConv``, ``KroneckerEmbedding``): a factor side larger than this
-keeps only its diagonal (``max_dense_side``, None: no limit). A dense side
+keeps only its diagonal (``max_dense_side``, None: no limit); an input
+side is counted without the bias's row, so a 1024-wide layer with a bias
+(a side of 1025) stays dense. A dense side
 of ``n`` costs ``2n²`` floats (covariance and cached inverse) and ``~n³``
 FLOPs a refresh: at 50257 (GPT-2's vocabulary) 9.4 GiB and an hour on a
 CPU; its diagonal costs ``2n`` and ``n``. At 1024 (Shampoo's block size) a

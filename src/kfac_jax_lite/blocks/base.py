@@ -337,8 +337,11 @@ class KroneckerBlock(Block):
 
   @property
   def input_diagonal(self) -> bool:
-    """Whether the input factor ``A`` keeps only its diagonal."""
-    return beyond_limit(self.layout.a, self.max_dense_side)
+    """Whether the input factor ``A`` keeps only its diagonal: its input
+    features, the bias's row not counted, are over the limit (so that a
+    1024-wide layer with a bias, ``A`` of side 1025, stays dense at 1024)."""
+    return beyond_limit(self.layout.a - int(self.layout.has_bias),
+                        self.max_dense_side)
 
   @property
   def output_diagonal(self) -> bool:
