@@ -113,13 +113,14 @@ def brute_factors(params, batch, mode):
 def brute_update(params, grads, batch, mode, damping_mode,
                  max_dense_side=None):
   """The K-FAC update from ``brute_factors``; a side larger than
-  ``max_dense_side`` keeps only its diagonal (the size policy)."""
+  ``max_dense_side`` keeps only its diagonal (the size policy; the input
+  side counted without the bias's row)."""
   updates = []
   for (big_a, big_g), g in zip(brute_factors(params, batch, mode), grads):
     v = np.concatenate([np.asarray(g["w"]), np.asarray(g["b"])[None]], 0)
     a, b = v.shape
     if max_dense_side is not None:
-      big_a = np.diag(np.diag(big_a)) if a > max_dense_side else big_a
+      big_a = np.diag(np.diag(big_a)) if a - 1 > max_dense_side else big_a
       big_g = np.diag(np.diag(big_g)) if b > max_dense_side else big_g
     if damping_mode == "exact":
       curv = np.kron(big_a, big_g) + LAM * np.eye(a * b)
@@ -177,18 +178,20 @@ def test_kfac_update_matches_brute_force_in_float64(loss_name, estimation,
 
 @pytest.mark.parametrize("damping_mode", ["pi", "exact"])
 def test_size_policy_update_matches_brute_force_in_float64(damping_mode):
-  """The size policy through ``kfl.kfac``: with ``max_dense_side=4`` the
-  sides of 5 (layer 0's input with its bias, and its output) and 6 keep
-  only their diagonals and layer 1's output side of 3 stays dense; the
-  update is the brute-force damped inverse of ``diag(A) ⊗ G`` (and the
-  others) built from per-example Jacobians, in both damping modes."""
+  """The size policy through ``kfl.kfac``: with ``max_dense_side=4``
+  layer 0's output side of 5 and layer 1's input side (5 inputs and the
+  bias) keep only their diagonals, while layer 0's input side (4 inputs
+  and the bias: the bias's row is not counted) and layer 1's output side
+  of 3 stay dense; the update is the brute-force damped inverse of
+  ``A ⊗ diag(G)`` and ``diag(A) ⊗ G`` built from per-example Jacobians, in
+  both damping modes."""
   with x64_mode(True):
     params, batch = params64(), batch64()
     loss_fn, update = _update_fn("classifier", "exact", damping_mode, 4)
     grads = jax.grad(loss_fn)(params, batch)
     updates, state = update(params, batch)
     shapes = [tuple(s.cov.shape for s in b) for b in state.blocks.values()]
-    assert sorted(shapes) == [((1, 5), (1, 5)), ((1, 6), (1, 3, 3))], shapes
+    assert sorted(shapes) == [((1, 5, 5), (1, 5)), ((1, 6), (1, 3, 3))], shapes
     want = brute_update(params, grads, batch, "exact", damping_mode,
                         max_dense_side=4)
     for got_layer, want_layer in zip(updates, want):
