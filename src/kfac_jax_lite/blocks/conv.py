@@ -229,9 +229,9 @@ class KroneckerConv(ConvConfig, base.KroneckerBlock):
   for NCHW/OIHW); ``batch_group_count`` other than 1 is not supported.
   ``weight_sharing``: ``"expand"`` (KFC, the default) or ``"reduce"`` over
   the output locations; ``repeats``: see ``ConvConfig``;
-  ``max_dense_side``: a factor side (a group's patch, ``window · in + 1``,
-  or its output channels) larger than this keeps only its diagonal
-  (``blocks.MAX_DENSE_SIDE``; None: no limit).
+  ``max_dense_side``: a factor side (a group's patch, ``window · in``, the
+  bias's row not counted, or its output channels) larger than this keeps
+  only its diagonal (``blocks.MAX_DENSE_SIDE``; None: no limit).
   Parameters: ``(kernel,)`` or ``(kernel, bias)`` with ``bias [out]``.
   """
 

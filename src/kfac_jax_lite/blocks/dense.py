@@ -114,7 +114,8 @@ class KroneckerDense(base.KroneckerBlock):
   with the input (``(0,)`` for ``x @ W``, ``(1,)`` for ``x @ W.T``, several
   for einsum forms); the other axes are outputs, and the bias (if any) is
   shaped like them. ``max_dense_side``: a factor side larger than this
-  keeps only its diagonal (``blocks.MAX_DENSE_SIDE``; None: no limit).
+  keeps only its diagonal (``blocks.MAX_DENSE_SIDE``; None: no limit; the
+  input side counted without the bias's row).
   Parameters: ``(kernel,)`` or ``(kernel, bias)``.
   """
 

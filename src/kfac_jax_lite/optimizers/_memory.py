@@ -99,7 +99,7 @@ def check_fits(layers, params, where, extra=None, limit=None):
       f"{human_bytes(limit)}; largest blocks: "
       + ", ".join(f"{n} {human_bytes(b)}" for n, b in largest)
       + ". Keep large factor sides diagonal (blocks={'dense': "
-      "{'max_dense_side': 1024}}, or per layer by path), give those layers "
+      "{'max_dense_side': 512}}, or per layer by path), give those layers "
       "cheaper blocks (blocks={'<path>': 'diagonal'}) or exclude= them, or "
       "spread the state over devices (layout='sharded'); kfl.describe "
       "prints every block's bytes")
