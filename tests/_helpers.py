@@ -256,10 +256,12 @@ def mlp_ggn(layers, x, c, out_curvature=softmax_fisher):
 
 
 def optimized_jit(fn):
-  """``jax.jit(fn)`` compiled with XLA's full CPU back-end optimisation.
+  """``jax.jit(fn)`` compiled with XLA's default CPU back end: full
+  optimisation and the fusion emitters.
 
   ``conftest.py`` makes XLA compile cheaply (``--xla_backend_optimization_
-  level=0``), which is right for the many tests whose time is compiling;
+  level=0``, ``--xla_cpu_use_fusion_emitters=false``), which is right for
+  the many tests whose time is compiling;
   the few tests whose time is running a long ``lax.scan`` of training
   steps wrap it in this instead (a conv net trains ~5x slower at level 0).
   One compiled program per argument signature.
@@ -272,7 +274,8 @@ def optimized_jit(fn):
     key = (treedef, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
     if key not in compiled:
       compiled[key] = jitted.lower(*args).compile(
-          {"xla_backend_optimization_level": 3})
+          {"xla_backend_optimization_level": 3,
+           "xla_cpu_use_fusion_emitters": True})
     return compiled[key](*args)
   return call
 

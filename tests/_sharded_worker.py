@@ -89,7 +89,6 @@ def _collectives(hlo, by_place=False):
 
 def scenario_sharded(args):
   import jax
-  import numpy as np
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
   import kfac_jax_lite as kfl

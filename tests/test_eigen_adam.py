@@ -392,8 +392,8 @@ def test_batches_of_another_size_and_bad_batches():
     ea = kfl.eigen_adam(dense_loss, batch, estimation="exact")
     state = ea.init(params)
     small = jax.tree.map(lambda x: x[:5], batch)
-    u, state = ea.update(jax.grad(dense_loss)(params, small), state, params,
-                         batch=small)
+    u, state = jax.jit(lambda g, s, p: ea.update(g, s, p, batch=small))(
+        jax.grad(dense_loss)(params, small), state, params)  # One compile.
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(u))
     with pytest.raises(ValueError, match="structure"):
       ea.update(params, state, params, batch={"x": batch["x"]})

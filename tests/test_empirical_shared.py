@@ -11,7 +11,6 @@ Pinned by properties, not by one code path against another:
 * the program has no backward pass beyond the gradient's: its products are
   ``jax.value_and_grad``'s plus two Gram products per layer.
 """
-import functools
 
 import jax
 import jax.numpy as jnp

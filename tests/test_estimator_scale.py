@@ -96,7 +96,7 @@ def _ekfac_states(fn, params, batch):
   in it): the exact statistics, accumulated and refreshed."""
   layers = fn.tagged.layers
   states = {l.name: l.block.init(jnp.float64) for l in layers}
-  stats = fn(params, batch, jax.random.PRNGKey(0), states).stats
+  stats = jax.jit(fn)(params, batch, jax.random.PRNGKey(0), states).stats
   return {l.name: l.block.refresh(
       l.block.update(states[l.name], stats[l.name], 0.0), 1e-3)
           for l in layers}

@@ -83,8 +83,9 @@ def test_time_major_with_example_axis_has_the_batch_major_statistics(
     assert not any(l.row_uses for l in tm.tagged.layers)
     assert any(l.is_fallback for l in tm.tagged.layers)  # temp
     key = jax.random.PRNGKey(0)
-    got = tm(params, batch, key)
-    want = bm(params, _transposed(batch), key)
+    # Jitted: one compile each instead of hundreds of eager operations'.
+    got = jax.jit(tm)(params, batch, key)
+    want = jax.jit(bm)(params, _transposed(batch), key)
     assert got.stats.keys() == want.stats.keys()
     np.testing.assert_allclose(got.loss, want.loss, rtol=1e-12)
     np.testing.assert_allclose(got.weights, want.weights, rtol=1e-12)
@@ -104,15 +105,15 @@ def test_kfac_and_kfac_optimizer_take_example_axis():
         time_major_loss, batch, example_axis=1, **kw)
     tx_bm = kfl.kfac(batch_major_loss, _transposed(batch), **kw)
     grads = jax.grad(time_major_loss)(params, batch)
-    u_tm, _ = tx_tm.update(grads, tx_tm.init(params), params, batch=batch)
-    u_bm, _ = tx_bm.update(grads, tx_bm.init(params), params,
-                           batch=_transposed(batch))
+    # Jitted: one compile each instead of hundreds of eager operations'.
+    first = lambda tx: jax.jit(lambda g, p, b: tx.update(
+        g, tx.init(p), p, batch=b)[0])
+    u_tm = first(tx_tm)(grads, params, batch)
+    u_bm = first(tx_bm)(grads, params, _transposed(batch))
     jax.tree.map(lambda x, y: np.testing.assert_allclose(
         x, y, rtol=1e-9, atol=1e-12), u_tm, u_bm)
     opt = kfl.kfac_optimizer(time_major_loss, batch, example_axis=1)
-    state = opt.init(params)
-    loss_grads = jax.grad(time_major_loss)(params, batch)
-    updates, _ = opt.update(loss_grads, state, params, batch=batch)
+    updates = first(opt)(grads, params, batch)
     assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(updates))
     assert not any(l.row_uses for l in layers_tm(params).layers)
 
@@ -253,8 +254,8 @@ def test_haiku_lstm_lm_time_major_equals_batch_major(t, b):
                                        estimation="exact")
     assert not any(l.row_uses or l.is_fallback for l in got_fn.tagged.layers)
     key = jax.random.PRNGKey(0)
-    got = got_fn(params, batch, key)
-    want = want_fn(params, _transposed(batch), key)
+    got = jax.jit(got_fn)(params, batch, key)  # One compile, not eager ops.
+    want = jax.jit(want_fn)(params, _transposed(batch), key)
     for name in want.stats:
       jax.tree.map(lambda x, y: np.testing.assert_allclose(
           x, y, rtol=1e-10, atol=1e-13, err_msg=name),

@@ -60,8 +60,9 @@ PARAMS, BATCH = _problem()
 TX = optax.chain(kfl.kfac(loss_fn, BATCH), optax.sgd(0.05))
 TX_EMP = kfl.kfac(loss_fn, BATCH, estimation="empirical")
 EST = kfl.value_grad_and_stats(loss_fn, PARAMS, BATCH)
-EST_EMP = kfl.value_grad_and_stats(loss_fn, PARAMS, BATCH,
-                                   estimation="empirical")
+# Jitted: called directly, it would compile each operation on its own.
+EST_EMP = jax.jit(kfl.value_grad_and_stats(loss_fn, PARAMS, BATCH,
+                                           estimation="empirical"))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -143,8 +144,8 @@ def test_a_bad_label_under_empirical_leaves_the_statistics_out():
 def test_a_nonfinite_loss_with_a_finite_gradient_is_skipped_and_counted():
   state = TX.init(PARAMS)
   grads = jax.grad(loss_fn)(PARAMS, BATCH)
-  u, state = TX.update(grads, state, PARAMS, batch=BATCH,
-                       loss=jnp.float32(jnp.nan))
+  u, state = jax.jit(lambda g, s, loss: TX.update(  # One compile.
+      g, s, PARAMS, batch=BATCH, loss=loss))(grads, state, jnp.float32(jnp.nan))
   assert _zero(u)
   h = kfl.health(state)
   assert h.bad_losses == 1 and h.bad_grads == 0 and not h.ok, str(h)

@@ -111,7 +111,7 @@ def test_stats_fraction_with_aux_and_errors():
   params, batch = init_params(), make_batch()
   est_fn = kfl.value_grad_and_stats(loss_fn, params, batch, has_aux=True,
                                     stats_fraction=0.5)
-  est = est_fn(params, batch, jax.random.PRNGKey(0))
+  est = jax.jit(est_fn)(params, batch, jax.random.PRNGKey(0))  # One compile.
   (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
   np.testing.assert_allclose(est.loss, loss, rtol=1e-6)
   np.testing.assert_allclose(est.aux["logits"], aux["logits"], rtol=1e-6)
@@ -134,9 +134,11 @@ def test_stats_of_other_blocks_are_refused_naming_the_layer_and_fix():
   error, not a KeyError)."""
   params, batch = init_params(), make_batch()
   key = jax.random.PRNGKey(0)
-  est = kfl.value_grad_and_stats(plain_loss, params, batch)(params, batch, key)
-  fewer = kfl.value_grad_and_stats(plain_loss, params, batch,
-                                   exclude=["1/*"])(params, batch, key)
+  # Jitted: one compile each instead of hundreds of eager operations'.
+  est = jax.jit(kfl.value_grad_and_stats(plain_loss, params, batch))(
+      params, batch, key)
+  fewer = jax.jit(kfl.value_grad_and_stats(plain_loss, params, batch,
+                                           exclude=["1/*"]))(params, batch, key)
   for tx, stats, match in (
       (kfl.kfac(plain_loss, batch, blocks={"1/*": "diagonal"}), est.stats,
        r"statistics of layer '1[^']*' do not fit its block"),

@@ -48,12 +48,15 @@ def test_curvature_forms_match_brute_force_ggn():
   vs = [jax.tree.map(lambda x, i=i: jax.random.normal(
       jax.random.PRNGKey(10 + i), x.shape), params) for i in range(2)]
   dirs = jax.tree.map(lambda a, b: jnp.stack([a, b]), *vs)
-  forms, loss = optimizer._curvature_forms(tagged, params, BATCH, dirs, "ggn")
+  forms_of = jax.jit(  # One compile a curvature, not eager operations.
+      lambda dirs, kind: optimizer._curvature_forms(
+          tagged, params, BATCH, dirs, kind), static_argnums=1)
+  forms, loss = forms_of(dirs, "ggn")
   np.testing.assert_allclose(loss, loss_fn(params, BATCH), rtol=1e-6)
   g = brute_ggn(params)
   flat = np.stack([np.asarray(ravel_pytree(v)[0]) for v in vs])
   np.testing.assert_allclose(forms, flat @ g @ flat.T, rtol=1e-4)
-  fisher, _ = optimizer._curvature_forms(tagged, params, BATCH, dirs, "fisher")
+  fisher, _ = forms_of(dirs, "fisher")
   np.testing.assert_allclose(fisher, forms, rtol=1e-5)  # Softmax: GGN = Fisher.
 
 

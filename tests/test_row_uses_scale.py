@@ -35,7 +35,8 @@ def test_every_block_of_a_scanned_rnn_is_batch_size_invariant():
     fn = kfl.value_grad_and_stats(loss, params, batch, estimation="exact")
     assert any(l.row_uses for l in fn.tagged.layers), fn.tagged.layers
     key = jax.random.PRNGKey(0)
-    one, two = fn(params, batch, key), fn(params, twice, key)
+    run = jax.jit(fn)  # One compile a batch shape, not eager operations.
+    one, two = run(params, batch, key), run(params, twice, key)
     np.testing.assert_allclose(float(one.loss), float(two.loss), rtol=1e-12)
     names = [l.name for l in fn.tagged.layers]
     for name in names:
@@ -84,7 +85,7 @@ def test_reduce_over_a_graphs_rows_divides_by_rows_and_shared_positions():
                                     weight_sharing="reduce")
       assert [l.row_map for l in fn.tagged.layers if l.name == "node/w"] == [
           True], fn.tagged.layers
-      stats.append(fn(params, batch, jax.random.PRNGKey(0)).stats)
+      stats.append(jax.jit(fn)(params, batch, jax.random.PRNGKey(0)).stats)
     for name in ("node/w", "read/w"):
       for a, b in zip(jax.tree.leaves(stats[0][name]),
                       jax.tree.leaves(stats[1][name])):

@@ -18,7 +18,6 @@ per-example gradients of ``jax.vmap(jax.grad(...))`` (float32 and float64).
 """
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 

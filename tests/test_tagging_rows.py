@@ -44,7 +44,7 @@ def _gnn_stats(mode, mask=None):
       batch = dict(batch, mask=jnp.asarray(mask, jnp.float64))
     fn = kfl.value_grad_and_stats(loss, p, batch, estimation="exact",
                                   weight_sharing=mode)
-    est = fn(p, batch, jax.random.key(0))
+    est = jax.jit(fn)(p, batch, jax.random.key(0))  # Not eager: one compile.
     rows = kfl.describe(loss, p, batch, weight_sharing=mode)
     return jax.tree.map(np.asarray, est.stats), rows, np.asarray(est.weights)
 
@@ -164,7 +164,8 @@ def _pos_jac(form, mode):
     loss, p, batch = M.pos_lookup(form, jnp.float64)
     fn = kfl.value_grad_and_stats(loss, p, batch, estimation="exact",
                                   weight_sharing=mode)
-    st = jax.tree.map(np.asarray, fn(p, batch, jax.random.key(0)).stats["wpe"])
+    st = jax.tree.map(np.asarray, jax.jit(fn)(  # Jitted: one compile.
+        p, batch, jax.random.key(0)).stats["wpe"])
     ids, _ = batch
     n, t = ids.shape
     eps = jnp.zeros((n, t, p["wpe"].shape[1]), jnp.float64)
