@@ -139,10 +139,14 @@ def test_batchnorm_scale_and_shift(name):
   def f(p, pr):
     l, _, caps = tl.apply(p, batch, pr)
     return l, caps
-  l, vjp, caps = jax.vjp(f, params, probes, has_aux=True)
-  _, cts = vjp(jnp.ones_like(l))
-  per_ex = tl.per_example_grads(caps, cts)
-  full = jax.grad(_value(loss, has_aux, params, batch))(params)
+
+  @jax.jit  # One compile, not the eager operations'.
+  def per_example_grads(p, pr):
+    l, vjp, caps = jax.vjp(f, p, pr, has_aux=True)
+    _, cts = vjp(jnp.ones_like(l))
+    return tl.per_example_grads(caps, cts)
+  per_ex = per_example_grads(params, probes)
+  full = jax.jit(jax.grad(_value(loss, has_aux, params, batch)))(params)
   full = dict(named_leaves(full))  # The layers' naming (no wrapper .value).
   assert set(per_ex) == set(full)
   for path, g in per_ex.items():

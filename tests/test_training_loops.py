@@ -234,8 +234,8 @@ def test_stored_stats_are_used_once_and_not_kept(name):
   assert _slot(state).stats is None
   # The batch, the loss, the kind and the missing count: nothing else.
   assert _nbytes(_slot(state)) == _nbytes(BATCH) + 12
-  est = kfl.value_grad_and_stats(loss_fn, params, BATCH)(
-      params, BATCH, jax.random.PRNGKey(0))
+  est = jax.jit(kfl.value_grad_and_stats(loss_fn, params, BATCH))(
+      params, BATCH, jax.random.PRNGKey(0))  # One compile, not eager ops.
   batch = BATCH if name == "kfac_optimizer" else None  # Its model's.
   stored = kfl.with_stats(state, est, batch)
   assert _nbytes(stored) == _nbytes(state) + _nbytes(est.stats)
