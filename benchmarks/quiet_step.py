@@ -15,7 +15,7 @@ replaced by the identity (the name ``kfac_jax_lite.optimizers.transform``
 calls it by, as ``compile_parts.py`` does), with ``norm_constraint=None``
 too. The differences price the preconditioning products and the rest of
 ``tx.update`` (the conditionals of the statistics and refresh, the
-guards, the health counters). The round includes every model's step
+guards, the health counters). Each round runs every row's step
 once, so drift slows all alike; compare ratios.
 """
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The Kronecker blocks' size policy and the price of a block's state.
 
 A factor side over ``MAX_DENSE_SIDE`` (a block's ``max_dense_side``; an
-input side counted without the bias's row) keeps only its diagonal; ``state_bytes`` prices a block's state from its shapes
-alone, for ``kfl.describe`` and ``tx.init``'s memory check.
+input side counted without the bias's row) keeps only its diagonal;
+``state_bytes`` prices a block's state from its shapes alone, for
+``kfl.describe`` and ``tx.init``'s memory check.
 """
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ MAX_DENSE_SIDE = 1024
 ``KroneckerConv``, ``KroneckerEmbedding``): a factor side larger than this
 keeps only its diagonal (``max_dense_side``, None: no limit); an input
 side is counted without the bias's row, so a 1024-wide layer with a bias
-(a side of 1025) stays dense. A dense side
-of ``n`` costs ``2n²`` floats (covariance and cached inverse) and ``~n³``
-FLOPs a refresh: at 50257 (GPT-2's vocabulary) 9.4 GiB and an hour on a
-CPU; its diagonal costs ``2n`` and ``n``. At 1024 (Shampoo's block size) a
-768-wide transformer block keeps its 768- and 769-wide sides dense and its
-2304- and 3072-wide ones diagonal. Measured against 2048 (issue 47,
+(a side of 1025) stays dense. A dense side of ``n`` costs ``2n²`` floats
+(covariance and cached inverse) and ``~n³`` FLOPs a refresh: at 50257
+(GPT-2's vocabulary) 9.4 GiB and an hour on a CPU; its diagonal costs
+``2n`` and ``n``. At 1024 (Shampoo's block size) a 768-wide transformer
+block keeps its 768- and 769-wide sides dense and its 2304- and 3072-wide
+ones diagonal. Measured against 2048 (issue 47,
 ``benchmarks/sizes.py --small``: a 17M decoder whose 1536-wide MLP sides
 are the only ones in between; 30 steps): the mean step 0.66x, the state
 1.10x the parameters against 4.43x, the loss no worse (3.42-3.47 /
