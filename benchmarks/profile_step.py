@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py                  # one-pass step, no refresh
     python benchmarks/profile_step.py --refresh        # a step that refreshes
     python benchmarks/profile_step.py --style sgd      # SGD's step, for reference
+    python benchmarks/profile_step.py --style quiet    # the defaults' quiet step
     python benchmarks/profile_step.py --quick          # 784-256-64-256-784
 
 The MNIST autoencoder's step (``_models``' loss, ``step_time.py``'s settings, batch
@@ -58,6 +59,8 @@ def make_step(style, loss_fn, params, batch, refresh, fraction):
   """The jitted, donated step (``_timing.make_step``) and its carry."""
   if style == "sgd":
     tx = optax.sgd(0.01, momentum=0.9)
+  elif style == "quiet":  # The defaults' plan; traced steps are quiet.
+    tx = optax.chain(kfl.kfac(loss_fn, batch), optax.sgd(0.01, momentum=0.9))
   else:
     tx = optax.chain(kfl.kfac(loss_fn, batch, damping=1.0,
                               inverse_every=1 if refresh else 1 << 20,
@@ -65,7 +68,8 @@ def make_step(style, loss_fn, params, batch, refresh, fraction):
                      optax.sgd(0.01, momentum=0.9))
   est_fn = kfl.value_grad_and_stats(loss_fn, params, batch,
                                     stats_fraction=fraction)
-  kind = {"sgd": "grad", "2-pass": "batch=", "1-pass": "1-pass"}[style]
+  kind = {"sgd": "grad", "2-pass": "batch=", "1-pass": "1-pass",
+          "quiet": "cov"}[style]
   return (T.jit_step(T.make_step(loss_fn, tx, kind, est_fn)),
           T.init_carry(params, tx))
 
@@ -104,7 +108,7 @@ def hlo_info(hlo_text, name):
 
 def main(argv=None):
   p = argparse.ArgumentParser()
-  p.add_argument("--style", choices=("1-pass", "2-pass", "sgd"), default="1-pass")
+  p.add_argument("--style", choices=("1-pass", "2-pass", "sgd", "quiet"), default="1-pass")
   p.add_argument("--refresh", action="store_true",
                  help="refresh the inverses every step (inverse_every=1)")
   p.add_argument("--fraction", type=float, default=1.0,
@@ -120,7 +124,9 @@ def main(argv=None):
   step, carry = make_step(args.style, loss_fn, params, batch, args.refresh,
                           args.fraction)
   hlo = step.lower(carry, batch).compile().as_text()
-  for _ in range(20):  # Past the young refreshes (steps 1, 2, 4, 8, 16).
+  # Past the young refreshes (steps 1, 2, 4, 8, 16; 32 for the planned
+  # defaults of --style quiet, whose next statistics are at step 50).
+  for _ in range(34 if args.style == "quiet" else 20):
     carry, loss = step(carry, batch)
   jax.block_until_ready(loss)
   with tempfile.TemporaryDirectory() as out:
