@@ -167,27 +167,32 @@ def test_update_and_refresh_rules():
     block, kron, data, _, _ = case_data("dense_shared_reduce")
     other = case_data("dense_shared_reduce", seed=5)[2]
     f64 = jnp.float64
+    # The block's methods jitted (one program each, not one per operation).
+    update, to_dense = jax.jit(block.update), jax.jit(block.to_dense)
+    refresh = jax.jit(block.refresh)
+    compute_stats = jax.jit(lambda d, st: block.compute_stats(*d, state=st))
+    data, other = (tuple(jnp.asarray(x) for x in d) for d in (data, other))
     state = block.init(f64)
-    first = block.compute_stats(*data, state=state)
+    first = compute_stats(data, state)
     np.testing.assert_array_equal(first.scale, 0)  # No basis to measure in.
-    state = block.update(state, first, 0.9)
-    np.testing.assert_array_equal(block.to_dense(state), 0)
-    state = block.refresh(state, 0.0, step=0)
-    kstate = kron.update(kron.init(f64), kron.compute_stats(*data), 0.9)
-    np.testing.assert_allclose(block.to_dense(state), kron.to_dense(kstate),
-                               atol=1e-12)
+    state = update(state, first, 0.9)
+    np.testing.assert_array_equal(to_dense(state), 0)
+    state = refresh(state, 0.0, step=0)
+    kron_dense = jax.jit(lambda d: kron.to_dense(kron.update(
+        kron.init(f64), kron.compute_stats(*d), 0.9)))(data)
+    np.testing.assert_allclose(to_dense(state), kron_dense, atol=1e-12)
     assert int(state.scale.cache.step) == 0
     # Update: s <- (d W s + (1-d) X) / (d W + 1 - d), W = 0.1 so far.
     s0 = np.asarray(state.scale.cache.eigvals)
-    x = block.compute_stats(*other, state=state)
-    state = block.update(state, x, 0.9)
+    x = compute_stats(other, state)
+    state = update(state, x, 0.9)
     np.testing.assert_allclose(
         state.scale.cache.eigvals,
         (0.9 * 0.1 * s0 + 0.1 * np.asarray(x.scale)) / (0.9 * 0.1 + 0.1),
         rtol=1e-12)
     # A refresh with new factors: the old F's diagonal in the new basis.
-    old_dense = np.asarray(block.to_dense(state))
-    new = block.refresh(state, 0.0, step=5)
+    old_dense = np.asarray(to_dense(state))
+    new = refresh(state, 0.0, step=5)
     for before, after in zip(state, new):  # Caches only (as kfac shares them).
       for field in ("cov", "weight", "num_skipped"):
         np.testing.assert_array_equal(getattr(after, field),
@@ -203,7 +208,7 @@ def test_update_and_refresh_rules():
     assert np.abs(q_params.T @ old_dense @ q_params
                   - np.diag(np.diag(q_params.T @ old_dense @ q_params))
                   ).max() > 1e-6  # The basis did move.
-    restart = B.EkfacDense(**{**vars(block), "rebase": "kfac"}).refresh(
+    restart = jax.jit(B.EkfacDense(**{**vars(block), "rebase": "kfac"}).refresh)(
         state, 0.0, step=5)
     np.testing.assert_allclose(
         restart.scale.cache.eigvals,
@@ -216,11 +221,16 @@ def one_example_blocks(name, seed):
   block, kron, data, grads, c = case_data(name, seed)
   data = (data[0][:1], data[1][:1, :1], c[:1])
   state, _ = with_basis(block, data, jnp.float64, decay=0.0)
-  kstate = kron.update(kron.init(jnp.float64), kron.compute_stats(*data), 0.0)
+
+  @jax.jit  # One program, not one per operation.
+  def dense(state, data):
+    kstate = kron.update(kron.init(jnp.float64), kron.compute_stats(*data),
+                         0.0)
+    return block.to_dense(state), kron.to_dense(kstate)
   grad = grads[0, 0]
-  return (c[0] * np.outer(grad, grad),
-          np.asarray(block.to_dense(state), np.float64),
-          np.asarray(kron.to_dense(kstate), np.float64))
+  ekfac, kfac = dense(state, tuple(jnp.asarray(x) for x in data))
+  return (c[0] * np.outer(grad, grad), np.asarray(ekfac, np.float64),
+          np.asarray(kfac, np.float64))
 
 
 def frobenius_errors(exact, approx, damping):

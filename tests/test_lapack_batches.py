@@ -98,7 +98,8 @@ def test_factor_functions_loop_over_batches_and_match(cpu, x64):
       a = args.get(name, (state, x))
       assert lapack_batches(fn, *a) == [], name
       scale = np.max(np.abs(want[name]))
-      np.testing.assert_allclose(np.asarray(fn(*a), np.float64), want[name],
+      np.testing.assert_allclose(np.asarray(jax.jit(fn)(*a), np.float64),
+                                 want[name],
                                  atol=10 * cond * n * eps * scale,
                                  err_msg=name)
 
@@ -110,7 +111,8 @@ def test_the_loop_is_differentiable(cpu):
     loss = lambda m: jnp.sum(fac.multiply_inverse(factor_of(m), x, 0.1) ** 2)
     batched = lambda m: jnp.sum(jsl.cho_solve(
         (jnp.linalg.cholesky(m + 0.1 * jnp.eye(6)), True), x) ** 2)
-    np.testing.assert_allclose(jax.grad(loss)(m), jax.grad(batched)(m),
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(m),
+                               jax.jit(jax.grad(batched))(m),
                                rtol=1e-10, atol=1e-12)
 
 
@@ -122,8 +124,9 @@ def test_stacked_cholesky_refresh_and_products_loop_over_slices(cpu, x64):
   with x64_mode(x64):
     dtype = jnp.float64 if x64 else jnp.float32
     xs, cots = rand(0, (n, 16, 5)), rand(1, (n, 1, 16, 3))
-    stats = block.layer_stats(B.LayerData(xs, cots, jnp.ones(16)))
-    state = block.update(block.init(dtype), stats, 0.0)
+    state = jax.jit(lambda xs, cots: block.update(
+        block.init(dtype), block.layer_stats(B.LayerData(
+            xs, cots, jnp.ones(16))), 0.0))(xs, cots)
     v = (rand(3, (n, 5, 3)).astype(dtype), rand(4, (n, 3)).astype(dtype))
 
     def refreshed(method):
@@ -144,7 +147,7 @@ def test_stacked_cholesky_refresh_and_products_loop_over_slices(cpu, x64):
     flat = lambda us: np.concatenate([np.ravel(np.asarray(u, np.float64))
                                       for u in us])
     want = flat(jax.jit(refreshed("gauss_jordan"))(state))
-    dense = np.asarray(block.to_dense(state), np.float64)
+    dense = np.asarray(jax.jit(block.to_dense)(state), np.float64)
     eps = float(jnp.finfo(dtype).eps)
     tol = 100 * np.linalg.cond(dense + 0.1 * np.eye(len(dense))) * eps
     close = lambda got, ref, what: np.testing.assert_allclose(
@@ -153,11 +156,14 @@ def test_stacked_cholesky_refresh_and_products_loop_over_slices(cpu, x64):
       close(flat(jax.jit(products[name])(state)), want, name)
     # L Lᵀ is the damped block whose inverse multiply_inverse applies, and
     # L⁻ᵀ undoes Lᵀ, slice by slice.
-    lt = jax.jit(lambda st: block.multiply_cholesky(st, v, 0.1,
-                                                    transpose=True))(state)
-    llt = block.multiply_cholesky(state, lt, 0.1)
-    close(flat(block.multiply_inverse(state, llt, 0.1)), flat(v), "L Lᵀ")
-    back = block.multiply_cholesky_inverse(state, lt, 0.1, transpose=True)
+    @jax.jit
+    def round_trips(st):
+      lt = block.multiply_cholesky(st, v, 0.1, transpose=True)
+      llt = block.multiply_cholesky(st, lt, 0.1)
+      return (block.multiply_inverse(st, llt, 0.1),
+              block.multiply_cholesky_inverse(st, lt, 0.1, transpose=True))
+    inv_llt, back = round_trips(state)
+    close(flat(inv_llt), flat(v), "L Lᵀ")
     close(flat(back), flat(v), "L⁻ᵀ Lᵀ")
 
 

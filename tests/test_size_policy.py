@@ -65,26 +65,32 @@ def test_a_side_over_the_limit_keeps_exactly_the_dense_diagonal(
   with x64_mode(True):
     small, big, (x, g) = make(limit, mode)
     assert (small.input_diagonal, small.output_diagonal) == diagonal
-    s_small, s_big = small.compute_stats(x, g), big.compute_stats(x, g)
-    for got, dense, diag in ((s_small.a, s_big.a, diagonal[0]),
-                             (s_small.g, s_big.g, diagonal[1])):
-      want = (jnp.diagonal(dense, axis1=-2, axis2=-1)
-              if diag and dense.ndim == 3 else dense)
-      np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-14)
-    state = small.update(small.init(jnp.float64), s_small, 0.0)
-    assert tuple(f.cov.shape for f in state) == tuple(
-        tuple(s) for s in small.factor_shapes)
     v = tuple(jnp.asarray(rand(6 + i, s)) for i, s in
               enumerate(small.param_shapes))
+
+    @jax.jit  # One program for the numbers below (not one per operation).
+    def numbers(x, g, v):
+      s_small = small.compute_stats(x, g)
+      state = small.update(small.init(jnp.float64), s_small, 0.0)
+      cached = small.refresh(state, LAM)
+      return (s_small, big.compute_stats(x, g), state, small.to_dense(state),
+              (small.multiply_inverse(state, v, LAM),
+               small.multiply_inverse(cached, v, LAM, use_cache=True)),
+              small.multiply(state, v))
+    s_small, s_big, state, dense, inverses, product = numbers(x, g, v)
+    for got, dense_side, diag in ((s_small.a, s_big.a, diagonal[0]),
+                                  (s_small.g, s_big.g, diagonal[1])):
+      want = (jnp.diagonal(dense_side, axis1=-2, axis2=-1)
+              if diag and dense_side.ndim == 3 else dense_side)
+      np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-14)
+    assert tuple(f.cov.shape for f in state) == tuple(
+        tuple(s) for s in small.factor_shapes)
     flat = jnp.concatenate([p.ravel() for p in v])
-    dense = small.to_dense(state)
     want = np.linalg.solve(dense + LAM * np.eye(dense.shape[0]), flat)
-    cached = small.refresh(state, LAM)
-    for out in (small.multiply_inverse(state, v, LAM),
-                small.multiply_inverse(cached, v, LAM, use_cache=True)):
+    for out in inverses:
       got = jnp.concatenate([p.ravel() for p in out])
       np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
-    got = jnp.concatenate([p.ravel() for p in small.multiply(state, v)])
+    got = jnp.concatenate([p.ravel() for p in product])
     np.testing.assert_allclose(got, dense @ flat, rtol=1e-12, atol=1e-13)
 
 
