@@ -7,7 +7,9 @@
 Lowers and compiles (``jax.jit(step).lower(...).compile()``, nothing run)
 the one-pass step of ``_models``' autoencoder (``--estimation``, default
 ``empirical_shared``) for SGD, Adam, the estimator alone with SGD, and
-``optax.chain(kfl.kfac(...), optax.sgd(...))``; then the K-FAC step again
+``optax.chain(kfl.kfac(...), optax.sgd(...))``, the latter both as the
+README writes it (``with_stats=kfl.stats_due(state)``: the statistics
+under a ``lax.cond``) and with statistics on every step; then the latter again
 with its stages replaced one after the other by the identity (the refresh,
 then the preconditioning, then the accumulation of the statistics: the
 names ``kfac_jax_lite.optimizers.transform`` calls them by), so the
@@ -16,7 +18,9 @@ the refresh alone (``kfl.factor.INVERSES["gauss_jordan"]`` of
 identity matrices of the factors' sizes), one call per factor against one
 ``lax.map`` per padded size (the factors of a size stacked). Prints
 seconds of tracing and lowering, of XLA's compile, and the compiled
-program's text size; compile times vary from run to run by ~10%.
+program's text size and its fusions (XLA:CPU compiles a kernel for each
+distinct one: most of the compile); compile times vary from run to run
+by ~10%.
 
 ``--model lm`` compiles the same four steps (SGD, Adam, the estimator
 with SGD, K-FAC + SGD) for a pre-norm decoder-only transformer written
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -49,7 +54,8 @@ def compile_time(fn, *args):
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
-  return t1 - t0, t2 - t1, len(compiled.as_text())
+  text = compiled.as_text()
+  return t1 - t0, t2 - t1, len(text), len(re.findall(r" fusion\(", text))
 
 
 def autoencoder_problem(dims, batch_size):
@@ -86,12 +92,13 @@ def steps(problem, estimation):
     u, s = sgd.update(e.grads, s, p)
     return optax.apply_updates(p, u), s, e.stats
 
-  def kfac_step():
+  def kfac_step(when_due=False):
     tx = optax.chain(kfl.kfac(loss_fn, batch, estimation=estimation),
                      optax.sgd(0.01, momentum=0.9))
 
     def step(p, s, b, k):
-      e = est_fn(p, b, k)
+      extra = {"with_stats": kfl.stats_due(s)} if when_due else {}
+      e = est_fn(p, b, k, **extra)
       u, s = tx.update(e.grads, s, p, stats=e.stats)
       return optax.apply_updates(p, u), s
     return step, (params, tx.init(params), batch, key)
@@ -99,6 +106,7 @@ def steps(problem, estimation):
   return [("SGD", *plain(sgd)), ("Adam", *plain(optax.adam(1e-3))),
           ("estimator + SGD", estimator_only,
            (params, sgd.init(params), batch, key)),
+          ("K-FAC + SGD, statistics when due", *kfac_step(True)),
           ("K-FAC + SGD", *kfac_step())], kfac_step
 
 
@@ -239,13 +247,13 @@ def main(argv=None):
              for name, fn, fargs in inversion_rows(dims)]
   adam = None
   print(f"{'program':44s} {'trace+lower s':>13s} {'compile s':>10s} "
-        f"{'x Adam':>7s} {'HLO kchars':>11s}")
+        f"{'x Adam':>7s} {'HLO kchars':>11s} {'fusions':>8s}")
   for name, measure in rows:
-    lower, comp, chars = measure()
+    lower, comp, chars, fusions = measure()
     adam = comp if name == "Adam" else adam
     ratio = f"{comp / adam:6.1f}x" if adam else "      -"
     print(f"{name:44s} {lower:13.2f} {comp:10.2f} {ratio:>7s} "
-          f"{chars / 1e3:11.0f}", flush=True)
+          f"{chars / 1e3:11.0f} {fusions:8d}", flush=True)
 
 
 if __name__ == "__main__":
