@@ -64,10 +64,9 @@ def test_einsum_kernel_with_several_input_and_output_axes():
   fn = lambda p, x: (jnp.einsum("td,dhe->the", x, p[0]) + p[1]).reshape(4, 4)
   block = B.KroneckerDense((3, 2, 2), in_axes=(0,), has_bias=True)
   with x64_mode(True):
-    state = fresh(block, xs, cots)
     expected = _brute.kronecker_curvature(
         _brute.jacobians(fn, params, xs), cots.reshape(1, 2, 4, 4))
-    np.testing.assert_allclose(block.to_dense(state), expected, atol=1e-10)
+    np.testing.assert_allclose(dense_of(block, xs, cots), expected, atol=1e-10)
 
 
 CONV_CASES = [
@@ -136,8 +135,8 @@ def test_conv_with_one_output_location_is_the_dense_block(bias):
   dense = B.KroneckerDense((3, 2, 4, 5), in_axes=(0, 1, 2), has_bias=bias)
   with x64_mode(True):
     np.testing.assert_allclose(
-        conv.to_dense(fresh(conv, xs, cots)),
-        dense.to_dense(fresh(dense, xs, cots.reshape(3, 5))), atol=1e-12)
+        dense_of(conv, xs, cots),
+        dense_of(dense, xs, cots.reshape(3, 5)), atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["expand", "reduce"])
@@ -150,25 +149,29 @@ def test_embedding_is_dense_on_one_hot_inputs(mode, r):
   c = np.array([0.3, 0.6, 0.9, 1.2])  # Σc = 3: w = c/Σc and c differ.
   emb = B.KroneckerEmbedding(vocab, dim, weight_sharing=mode)
   dense = B.KroneckerDense((vocab, dim), weight_sharing=mode)
-  with x64_mode(True):
+
+  @jax.jit  # One compile for both blocks' statistics and dense forms.
+  def states(ids, cots, c):
     e_state = fresh(emb, ids, cots, c)
     d_state = fresh(dense, jax.nn.one_hot(ids, vocab, dtype=jnp.float64), cots, c)
-    np.testing.assert_allclose(kfl.factor.factor_value(e_state.g),
-                               kfl.factor.factor_value(d_state.g), atol=1e-12)
-    a_dense = kfl.factor.factor_value(d_state.a)[0]
+    value = kfl.factor.factor_value
+    return (value(e_state.g), value(d_state.g), value(e_state.a)[0],
+            value(d_state.a)[0], emb.to_dense(e_state), dense.to_dense(d_state))
+
+  with x64_mode(True):
+    e_g, d_g, e_a, a_dense, e_dense, d_dense = states(ids, cots, c)
+    np.testing.assert_allclose(e_g, d_g, atol=1e-12)
     if mode == "expand" or r == 1:  # Exact: the one-hot factor is diagonal.
       np.testing.assert_allclose(np.diag(np.diag(a_dense)), a_dense, atol=1e-12)
-      np.testing.assert_allclose(emb.to_dense(e_state), dense.to_dense(d_state),
-                                 atol=1e-12)
+      np.testing.assert_allclose(e_dense, d_dense, atol=1e-12)
     else:  # reduce keeps the diagonal of Σ w ã ãᵀ.
-      np.testing.assert_allclose(kfl.factor.factor_value(e_state.a)[0],
-                                 np.diag(a_dense), atol=1e-12)
+      np.testing.assert_allclose(e_a, np.diag(a_dense), atol=1e-12)
     params = (rand(9, (vocab, dim)),)
     fn = lambda p, i: p[0][i]
     expected = _brute.kronecker_curvature(
         _brute.jacobians(fn, params, ids), cots[None], c, mode)
     if mode == "expand" or r == 1:
-      np.testing.assert_allclose(emb.to_dense(e_state), expected, atol=1e-12)
+      np.testing.assert_allclose(e_dense, expected, atol=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["expand", "reduce"])
@@ -181,7 +184,8 @@ def test_embedding_loss_weights_scale_g_and_leave_a_unchanged(mode):
   c = np.array([0.2, 0.5, 0.9])  # Σc = 1.6.
   emb = B.KroneckerEmbedding(5, 2, weight_sharing=mode)
   with x64_mode(True):
-    base, scaled = (emb.compute_stats(ids, cots, k * c) for k in (1.0, 2.5))
+    stats_of = jax.jit(emb.compute_stats)  # One compile for both calls.
+    base, scaled = (stats_of(ids, cots, k * c) for k in (1.0, 2.5))
     np.testing.assert_allclose(scaled.a, base.a, rtol=1e-12)
     np.testing.assert_allclose(scaled.g, 2.5 * np.asarray(base.g), rtol=1e-12)
     counts = np.stack([np.bincount(row, minlength=5) for row in ids]) / 3
@@ -204,12 +208,12 @@ def test_scale_and_shift_equals_per_example_gradients(full, which):
                             full=full)
   c = np.array([0.5, 0.25, 0.25])
   with x64_mode(True):
-    state = fresh(block, xs, cots, c)
     grads = _brute.per_example_grads(fn, params, xs, cots)
     expected = np.einsum("n,snp,snq->pq", c, grads, grads) / 2
     if not full:
       expected = np.diag(np.diag(expected))
-    np.testing.assert_allclose(block.to_dense(state), expected, atol=1e-12)
+    np.testing.assert_allclose(dense_of(block, xs, cots, c), expected,
+                               atol=1e-12)
 
 
 def test_scale_broadcast_over_channels_of_an_image():
@@ -221,7 +225,7 @@ def test_scale_broadcast_over_channels_of_an_image():
   with x64_mode(True):
     grads = _brute.per_example_grads(fn, params, xs, cots[None])
     np.testing.assert_allclose(
-        block.to_dense(fresh(block, xs, cots)),
+        dense_of(block, xs, cots),
         np.einsum("snp,snq->pq", grads, grads) / 2, atol=1e-12)
 
 
@@ -236,21 +240,26 @@ def test_full_and_naive_blocks(cls):
   if cls is B.NaiveDiagonal:
     expected, default = np.diag(np.diag(expected)), np.diag(np.diag(default))
   with x64_mode(True):
-    np.testing.assert_allclose(
-        block.to_dense(fresh(block, grads, alpha)), expected, atol=1e-12)
-    np.testing.assert_allclose(block.to_dense(fresh(block, grads)), default,
+    np.testing.assert_allclose(dense_of(block, grads, alpha), expected,
                                atol=1e-12)
+    np.testing.assert_allclose(dense_of(block, grads), default, atol=1e-12)
 
 
 def test_bf16_activations_give_float32_statistics():
   block = B.KroneckerDense((3, 2), has_bias=True)
-  stats = block.compute_stats(jnp.ones((4, 3), jnp.bfloat16),
-                              jnp.ones((4, 2), jnp.bfloat16))
+
+  @jax.jit  # One compile instead of one per operation.
+  def run(x, y, v):
+    stats = block.compute_stats(x, y)
+    state = block.update(block.init(), stats, 0.9)
+    return stats, state, block.multiply_inverse(state, v, 0.1)
+
+  stats, state, out = run(np.ones((4, 3), jnp.bfloat16),
+                          np.ones((4, 2), jnp.bfloat16),
+                          (np.ones((3, 2), jnp.bfloat16),
+                           np.ones((2,), jnp.bfloat16)))
   assert stats.a.dtype == jnp.float32 and stats.g.dtype == jnp.float32
-  state = block.update(block.init(), stats, 0.9)
   assert state.a.cov.dtype == jnp.float32
-  out = block.multiply_inverse(state, (jnp.ones((3, 2), jnp.bfloat16),
-                                       jnp.ones((2,), jnp.bfloat16)), 0.1)
   assert all(o.dtype == jnp.bfloat16 for o in out)
 
 
@@ -263,7 +272,7 @@ def test_gradient_blocks_layer_stats_weight_each_example_and_sample():
   with x64_mode(True):
     for cls in (B.Full, B.NaiveDiagonal):
       block = cls(((2, 3), (3,)))
-      got = block.layer_stats(B.LayerData(grads=grads, weights=c))
+      got = jax.jit(block.layer_stats)(B.LayerData(grads=grads, weights=c))
       want = expected if cls is B.Full else np.diag(expected)
       np.testing.assert_allclose(got, want, atol=1e-12)
 
@@ -276,23 +285,26 @@ def test_stacked_block_is_block_diagonal_over_its_slices():
   cots = np.moveaxis(cots, 0, 1)  # [n, S, N, R, out]
   c = np.abs(rand(2, (m,))) + 0.1
   assert block.param_shapes == ((n, 3, 2), (n, 2))
-  with x64_mode(True):
+  v = (rand(3, (n, 3, 2)), rand(4, (n, 2)))
+
+  @jax.jit  # One compile instead of one per operation.
+  def run(xs, cots, c, v):
     stats = block.layer_stats(B.LayerData(xs, cots, c))
     state = block.update(block.init(jnp.float64), stats, 0.5)
-    slices = [inner.update(inner.init(jnp.float64),
-                           inner.compute_stats(xs[l], cots[l], c), 0.5)
-              for l in range(n)]
+    slices = [inner.to_dense(fresh(inner, xs[l], cots[l], c)) for l in range(n)]
+    return block.to_dense(state), slices, block.multiply_inverse(state, v, 0.1)
+
+  with x64_mode(True):
+    dense, slices, out = run(xs, cots, c, v)
     # Flat order: the kernels [n, 3, 2] raveled, then the biases [n, 2].
     index = [np.concatenate([l * 6 + np.arange(6), n * 6 + l * 2 + np.arange(2)])
              for l in range(n)]
     expected = np.zeros((n * 8, n * 8))
     for l in range(n):
-      expected[np.ix_(index[l], index[l])] = inner.to_dense(slices[l])
-    dense = np.asarray(block.to_dense(state))
+      expected[np.ix_(index[l], index[l])] = slices[l]
+    dense = np.asarray(dense)
     np.testing.assert_allclose(dense, expected, atol=1e-12)
-    v = (rand(3, (n, 3, 2)), rand(4, (n, 2)))
     flat = np.concatenate([x.ravel() for x in v])
-    out = block.multiply_inverse(state, v, 0.1)
     np.testing.assert_allclose(
         np.concatenate([np.ravel(x) for x in out]),
         np.linalg.solve(dense + 0.1 * np.eye(n * 8), flat), rtol=1e-8)

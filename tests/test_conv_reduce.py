@@ -11,6 +11,8 @@ example's loss in a perturbation of the conv output, and the exact GGN of a
 linear model with a Gaussian output, summed over locations, is formed from
 per-example Jacobians (reduce is exact there, expand is not).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,12 +116,19 @@ def test_one_output_location_expand_equals_reduce_equals_dense(x64):
     dtype = jnp.float64 if x64 else jnp.float32
     xs, cots = _rand(0, (3, 3, 2, 4), dtype), _rand(1, (2, 3, 1, 1, 5), dtype)
     c = jnp.asarray(C, dtype)
-    stats = [B.KroneckerConv((3, 2, 4, 5), dimension_numbers=DN, has_bias=True,
-                             weight_sharing=m).compute_stats(xs, cots, c)
-             for m in ("expand", "reduce")]
-    stats.append(B.KroneckerDense((3, 2, 4, 5), in_axes=(0, 1, 2),
-                                  has_bias=True).compute_stats(
-                                      xs, cots.reshape(2, 3, 5), c))
+
+    @jax.jit  # One compile instead of one per operation.
+    def all_stats(xs, cots, c):
+      stats = [B.KroneckerConv((3, 2, 4, 5), dimension_numbers=DN,
+                               has_bias=True,
+                               weight_sharing=m).compute_stats(xs, cots, c)
+               for m in ("expand", "reduce")]
+      stats.append(B.KroneckerDense((3, 2, 4, 5), in_axes=(0, 1, 2),
+                                    has_bias=True).compute_stats(
+                                        xs, cots.reshape(2, 3, 5), c))
+      return stats
+
+    stats = all_stats(xs, cots, c)
   for s in stats[1:]:  # Sums over the 3 examples (and 2 samples) of
     # products of the window's 3·2·4 = 24 inputs or of 5 outputs.
     assert_rounding_close(s.a, stats[0].a, terms=24, depth=2)
@@ -133,6 +142,13 @@ def _pooled(p, x1, x2):
     y = lax.conv_general_dilated(x, p["k"], dimension_numbers=DN, **WINDOW)
     return (y + p["b"]).sum((1, 2))
   return conv(x1) if x2 is None else conv(x1) + conv(x2)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _dense_of(block, stats):
+  """``to_dense`` after one update of a fresh float64 state (jitted: one
+  compile per block and shapes, not one per operation)."""
+  return block.to_dense(block.update(block.init(jnp.float64), stats, 0.5))
 
 
 @pytest.mark.parametrize("siamese", [False, True])
@@ -149,7 +165,8 @@ def test_linear_gaussian_model_reduce_is_the_exact_ggn(siamese):
          "y": _rand(4, (N, 4), jnp.float64)}
     loss = lambda p, b: kfl.l2_loss(_pooled(p, b["x1"], b["x2"]),
                                     b["y"]).sum(-1).mean()
-    jac = jax.jacrev(lambda q: _pooled(q, b["x1"], b["x2"]))(p)  # [N, 4, ...]
+    jac = jax.jit(lambda p, b: jax.jacrev(  # One compile, not one per op.
+        lambda q: _pooled(q, b["x1"], b["x2"]))(p))(p, b)  # [N, 4, ...]
     jac = np.concatenate([np.asarray(jac[k]).reshape(N, 4, -1)
                           for k in ("k", "b")], -1)
     ggn = np.einsum("noi,noj->ij", jac, jac) / N
@@ -165,9 +182,7 @@ def test_linear_gaussian_model_reduce_is_the_exact_ggn(siamese):
       assert layer.kind == "conv" and layer.params == ("k", "b")
       assert layer.block.repeats == (2 if siamese else 1)
       est = jax.jit(fn)(p, b, jax.random.PRNGKey(0))
-      state = layer.block.update(layer.block.init(jnp.float64),
-                                 est.stats[layer.name], 0.5)
-      got[mode] = np.asarray(layer.block.to_dense(state))
+      got[mode] = np.asarray(_dense_of(layer.block, est.stats[layer.name]))
   np.testing.assert_allclose(got["reduce"], ggn, rtol=1e-9,
                              atol=1e-9 * np.abs(ggn).max())
   if siamese:
@@ -185,6 +200,7 @@ def _net(p, b):
   return kfl.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
 
+@jax.jit  # One compile instead of one per operation.
 def _net_setup():
   p = {"conv": {"k": 0.5 * _rand(0, (3, 3, 2, 3), jnp.float32),
                 "b": jnp.zeros(3)},
@@ -198,22 +214,23 @@ def test_kfac_with_reduce_takes_a_step_with_reduce_conv_blocks():
   p, b = _net_setup()
   k, layers_of = transform.kfac_with_layers(_net, b, weight_sharing="reduce")
   tx = optax.chain(k, optax.sgd(0.05))
-  state = tx.init(p)
-  loss, grads = jax.value_and_grad(_net)(p, b)
+  state = jax.jit(tx.init)(p)  # Jitted: one compile, not one per operation.
+  loss_and_grad = jax.jit(jax.value_and_grad(_net))
+  loss, grads = loss_and_grad(p, b)
   updates, state = jax.jit(lambda g, s, p: tx.update(g, s, p, batch=b))(
       grads, state, p)
-  new = optax.apply_updates(p, updates)
+  new = jax.jit(optax.apply_updates)(p, updates)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(updates))
-  assert _net(new, b) < loss
+  assert float(loss_and_grad(new, b)[0]) < float(loss)
   layers = {l.name: l.block for l in layers_of(p).layers}
   assert {type(v).__name__: v.weight_sharing for v in layers.values()} == {
       "KroneckerConv": "reduce", "KroneckerDense": "reduce"}
   # After one step the (zero-debiased) input factor is this batch's reduce A:
   # the mean over examples of the outer product of each example's mean patch.
   conv = next(n for n, v in layers.items() if isinstance(v, B.KroneckerConv))
-  a = kfl.factor.factor_value(state[0].blocks[conv].a)[0]
-  patches = lax.conv_general_dilated_patches(
-      jnp.moveaxis(b["x"], -1, 1), (3, 3), (1, 1), "SAME")  # [N, C·9, 6, 6]
+  a = np.asarray(jax.jit(kfl.factor.factor_value)(state[0].blocks[conv].a))[0]
+  patches = jax.jit(lambda x: lax.conv_general_dilated_patches(  # One compile.
+      jnp.moveaxis(x, -1, 1), (3, 3), (1, 1), "SAME"))(b["x"])  # [N, C·9, 6, 6]
   mean = np.asarray(patches, np.float64).reshape(8, 2, 9, 36).mean(-1)
   mean = np.concatenate([mean.transpose(0, 2, 1).reshape(8, 18),
                          np.ones((8, 1))], 1)  # rows (h, w, c), then bias
@@ -287,12 +304,17 @@ def test_conv_patches_by_slicing_equal_jax_patches(window, strides, padding,
   JAX's own."""
   from jax import lax
   from kfac_jax_lite.blocks import conv
+
+  @jax.jit  # One compile for both, instead of one per operation.
+  def both(x):
+    return (lax.conv_general_dilated_patches(
+        x, window, strides, padding, lhs_dilation=lhs,
+        rhs_dilation=dilation, precision=lax.Precision.HIGHEST),
+            conv._patches(x, window, strides, padding, lhs, dilation))
+
   with x64_mode(True):
     x = jnp.asarray(np.random.default_rng(0).normal(
         size=(2, 3) + (9,) * len(window)))
-    want = lax.conv_general_dilated_patches(
-        x, window, strides, padding, lhs_dilation=lhs,
-        rhs_dilation=dilation, precision=lax.Precision.HIGHEST)
-    got = conv._patches(x, window, strides, padding, lhs, dilation)
+    want, got = both(x)
     assert got.shape == want.shape and got.dtype == jnp.float64
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -43,6 +43,9 @@ def setup(dtype):
   return jax.tree.map(cast, params), (cast(x), jnp.asarray(y))
 
 
+# The references below are jitted: one compile per loss, strategy and
+# shapes, where eager mode compiles every operation.
+@functools.partial(jax.jit, static_argnames="per_example")
 def flat_grads(params, x, *rest, per_example=example_loss):
   """``[N, P]`` per-example gradients of ``per_example(params, x_n,
   *rest_n)``, layer by layer ``[W; b]`` row-major (the blocks' ``[a, b]``
@@ -55,6 +58,7 @@ def flat_grads(params, x, *rest, per_example=example_loss):
       jnp.concatenate([g["w2"], g["b2"][:, None]], 1).reshape(n, -1)], 1)
 
 
+@functools.partial(jax.jit, static_argnames=("strategy", "per_example"))
 def dense_curvature(params, x, y, strategy, *rest, per_example=example_loss):
   """The strategy's block-diagonal ``Ĝ``, formed from dense per-example
   gradients (and, for the Kronecker ones, from their layer inputs and
@@ -89,6 +93,7 @@ def dense_curvature(params, x, y, strategy, *rest, per_example=example_loss):
   return grads, blocks
 
 
+@functools.partial(jax.jit, static_argnames="strategy")
 def dense_scores(grads_q, grads_t, blocks, damping, strategy):
   """``∇f_qᵀ (Ĝ + λI)⁻¹ ∇ℓ_t`` by a dense solve, per layer."""
   total, start = 0.0, 0
@@ -104,6 +109,14 @@ def dense_scores(grads_q, grads_t, blocks, damping, strategy):
     start += size
     total = total + gq @ jnp.linalg.solve(m + lam * jnp.eye(size), gt.T)
   return total
+
+
+@functools.partial(jax.jit, static_argnames=("strategy", "queries"))
+def dense_pairwise_and_self(grads, blocks, damping, strategy, queries):
+  """``dense_scores`` of the first ``queries`` examples against all, and
+  every example's self-score (one compile for both)."""
+  return (dense_scores(grads[:queries], grads, blocks, damping, strategy),
+          jnp.diag(dense_scores(grads, grads, blocks, damping, strategy)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,13 +135,12 @@ def test_pairwise_and_self_scores_equal_dense_solve_float64(strategy,
   with x64_mode(True):
     params, (x, y), state = fitted(strategy, True)
     grads, blocks = dense_curvature(params, x, y, strategy)
-    want = dense_scores(grads[:5], grads, blocks, damping, strategy)
+    want, self_want = dense_pairwise_and_self(grads, blocks, damping,
+                                              strategy, 5)
     queries = (x[:5], y[:5])
     got = kfl.influence.pairwise_scores(state, params, queries, [(x, y)],
                                         damping=damping, progress=False)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
-    self_want = jnp.diag(dense_scores(grads, grads, blocks, damping,
-                                      strategy))
     self_got = kfl.influence.self_scores(state, params, [(x, y)],
                                          damping=damping, progress=False)
     np.testing.assert_allclose(self_got, self_want, rtol=1e-10, atol=1e-12)
@@ -187,11 +199,16 @@ def test_precondition_matches_the_factored_scores():
   # preconditioned query gradient (params-shaped, from `precondition`).
   with x64_mode(True):
     params, (x, y), state = fitted("ekfac", True)
-    gq = jax.grad(example_loss)(params, x[0], y[0])
-    pre = kfl.influence.precondition(state, gq)
-    per_ex = jax.vmap(jax.grad(example_loss), (None, 0, 0))(params, x, y)
-    want = sum(jnp.tensordot(per_ex[k], pre[k], pre[k].ndim)
-               for k in params)
+
+    @jax.jit  # One compile instead of one per operation.
+    def reference(params, x, y):
+      gq = jax.grad(example_loss)(params, x[0], y[0])
+      pre = kfl.influence.precondition(state, gq)
+      per_ex = jax.vmap(jax.grad(example_loss), (None, 0, 0))(params, x, y)
+      return sum(jnp.tensordot(per_ex[k], pre[k], pre[k].ndim)
+                 for k in params)
+
+    want = reference(params, x, y)
     got = kfl.influence.pairwise_scores(state, params, (x[:1], y[:1]),
                                         [(x, y)], progress=False)[0]
     np.testing.assert_allclose(got, want, rtol=1e-10)
@@ -220,17 +237,22 @@ def test_conv_scores_equal_dense_per_example_gradients():
     state = kfl.influence.fit(conv_loss, params, [(x, y)], strategy="ekfac",
                               estimation="empirical", progress=False)
     one = lambda p, xi, yi: conv_loss(p, (xi[None], yi[None]))
-    per_ex = jax.vmap(jax.grad(one), (None, 0, 0))(params, x, y)
-    pre = jax.vmap(lambda g: kfl.influence.precondition(state, g))(
-        jax.tree.map(lambda g: g[:2], per_ex))
-    want = sum(jnp.einsum("q...,n...->qn", pre[k], per_ex[k])
-               for k in params)
+
+    @jax.jit  # One compile instead of one per operation.
+    def reference(params, x, y):
+      per_ex = jax.vmap(jax.grad(one), (None, 0, 0))(params, x, y)
+      pre = jax.vmap(lambda g: kfl.influence.precondition(state, g))(
+          jax.tree.map(lambda g: g[:2], per_ex))
+      return sum(jnp.einsum("q...,n...->qn", pre[k], per_ex[k])
+                 for k in params)
+
+    want = reference(params, x, y)
     got = kfl.influence.pairwise_scores(state, params, (x[:2], y[:2]),
                                         [(x, y)], progress=False)
     np.testing.assert_allclose(got, want, rtol=1e-10)
     self_got = kfl.influence.self_scores(state, params, [(x, y)],
                                          progress=False)
-    np.testing.assert_allclose(self_got[:2], jnp.diag(want), rtol=1e-10)
+    np.testing.assert_allclose(self_got[:2], np.diag(want), rtol=1e-10)
 
 
 def test_streaming_equals_one_batch():
@@ -265,10 +287,16 @@ def test_measurement_other_than_the_loss():
     grads, blocks = dense_curvature(params, x, y, "ekfac")
     def one(p, xi, yi):
       return margin(p, (xi[None], yi[None]))[0]
-    gm = jax.vmap(jax.grad(one), (None, 0, 0))(params, x[:3], y[:3])
-    gm = jnp.concatenate([
-        jnp.concatenate([gm["w1"], gm["b1"][:, None]], 1).reshape(3, -1),
-        jnp.concatenate([gm["w2"], gm["b2"][:, None]], 1).reshape(3, -1)], 1)
+
+    @jax.jit  # One compile instead of one per operation.
+    def measurement_grads(params, x, y):
+      gm = jax.vmap(jax.grad(one), (None, 0, 0))(params, x, y)
+      return jnp.concatenate([
+          jnp.concatenate([gm["w1"], gm["b1"][:, None]], 1).reshape(3, -1),
+          jnp.concatenate([gm["w2"], gm["b2"][:, None]], 1).reshape(3, -1)],
+          1)
+
+    gm = measurement_grads(params, x[:3], y[:3])
     want = dense_scores(gm, grads, blocks, None, "ekfac")
     got = kfl.influence.pairwise_scores(state, params, (x[:3], y[:3]),
                                         [(x, y)], measurement=margin,
@@ -284,8 +312,8 @@ def test_float32_matches_float64_within_rounding():
     params64, batch64, s64 = fitted("ekfac", True)
     want = np.asarray(kfl.influence.self_scores(s64, params64, [batch64],
                                                 progress=False))
-    kappa = max(float(1 + jnp.max(s) / (0.1 * jnp.mean(s)))
-                for s in s64.eigvals.values())
+    cond = jax.jit(lambda s: 1 + jnp.max(s) / (0.1 * jnp.mean(s)))
+    kappa = max(float(cond(s)) for s in s64.eigvals.values())
   params, batch, state = fitted("ekfac", False)
   got = np.asarray(kfl.influence.self_scores(state, params, [batch],
                                              progress=False))
@@ -412,13 +440,12 @@ def test_kronecker_scores_of_each_examples_own_loss_equal_dense_solve(
                                     per_example=REDUCTIONS[name][1])
     queries = jax.tree.map(lambda a: a[:4], batch)
     for damping in (1e-3, None):
-      want = dense_scores(grads[:4], grads, blocks, damping, strategy)
+      want, self_want = dense_pairwise_and_self(grads, blocks, damping,
+                                                strategy, 4)
       got = kfl.influence.pairwise_scores(state, params, queries, [batch],
                                           damping=damping, progress=False)
       np.testing.assert_allclose(got, want, rtol=1e-9,
                                  atol=1e-12 * np.abs(want).max())
-      self_want = jnp.diag(dense_scores(grads, grads, blocks, damping,
-                                        strategy))
       self_got = kfl.influence.self_scores(state, params, [batch],
                                            damping=damping, progress=False)
       np.testing.assert_allclose(self_got, self_want, rtol=1e-9,
@@ -482,9 +509,14 @@ def test_self_influence_finds_flipped_digit_labels():
   n = len(x)
   flip = rng.choice(n, n // 10, replace=False)
   y[flip] = (y[flip] + rng.integers(1, 10, len(flip))) % 10
-  k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-  params = {"w1": jax.random.normal(k1, (64, 32)) / 8, "b1": jnp.zeros(32),
+
+  @jax.jit  # One compile instead of one per operation.
+  def init():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {"w1": jax.random.normal(k1, (64, 32)) / 8, "b1": jnp.zeros(32),
             "w2": jax.random.normal(k2, (32, 10)) / 6, "b2": jnp.zeros(10)}
+
+  params = init()
   batch = (jnp.asarray(x), jnp.asarray(y))
   opt = optax.adam(1e-2)
 
