@@ -3,6 +3,7 @@
     python benchmarks/compile_parts.py             # the MNIST autoencoder, batch 1000
     python benchmarks/compile_parts.py --quick     # a small autoencoder
     python benchmarks/compile_parts.py --model lm  # a scanned Flax transformer
+    python benchmarks/compile_parts.py --dims 512-500-520-512 --batch 256
 
 Lowers and compiles (``jax.jit(step).lower(...).compile()``, nothing run)
 the one-pass step of ``_models``' autoencoder (``--estimation``, default
@@ -220,6 +221,9 @@ def main(argv=None):
   p.add_argument("--depth", type=int, default=6,
                  help="--model lm: the scanned blocks (default 6)")
   p.add_argument("--quick", action="store_true", help="a small autoencoder")
+  p.add_argument("--dims", default=None,
+                 help="the autoencoder's widths, e.g. 512-500-520-512 "
+                      "(default 784-1000-500-250-30-250-500-1000-784)")
   p.add_argument("--batch", type=int, default=None,
                  help="default 1000 (quick: 64)")
   p.add_argument("--estimation", default="empirical_shared",
@@ -233,7 +237,8 @@ def main(argv=None):
           f"nn.scan, " + ", ".join(f"{k} {v}" for k, v in LM_SIZES.items())
           + f", one-pass estimation={args.estimation}")
   else:
-    dims = QUICK if args.quick else FULL
+    dims = (tuple(int(d) for d in args.dims.split("-")) if args.dims
+            else QUICK if args.quick else FULL)
     batch = args.batch or (64 if args.quick else 1000)
     problem = autoencoder_problem(dims, batch)
     print(f"{platform}; autoencoder {'-'.join(map(str, dims))}, batch "
