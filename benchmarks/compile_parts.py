@@ -19,9 +19,10 @@ the refresh alone (``kfl.factor.INVERSES["gauss_jordan"]`` of
 identity matrices of the factors' sizes), one call per factor against one
 ``lax.map`` per padded size (the factors of a size stacked). Prints
 seconds of tracing and lowering, of XLA's compile, and the compiled
-program's text size and its fusions (XLA:CPU compiles a kernel for each
-distinct one: most of the compile); compile times vary from run to run
-by ~10%.
+program's text size and its fusions (XLA:CPU compiles one kernel for
+identical fusions; a guide to the program's size, not a price: distinct
+shapes cost more than more fusions, see the benchmarks README); compile
+times vary from run to run by ~10%.
 
 ``--model lm`` compiles the same four steps (SGD, Adam, the estimator
 with SGD, K-FAC + SGD) for a pre-norm decoder-only transformer written

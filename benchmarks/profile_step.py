@@ -4,6 +4,7 @@
     python benchmarks/profile_step.py --refresh        # a step that refreshes
     python benchmarks/profile_step.py --style sgd      # SGD's step, for reference
     python benchmarks/profile_step.py --style quiet    # the defaults' quiet step
+                                                       # (--refresh, --fraction unused)
     python benchmarks/profile_step.py --quick          # 784-256-64-256-784
 
 The MNIST autoencoder's step (``_models``' loss, ``step_time.py``'s settings, batch
@@ -41,6 +42,7 @@ import sys
 import tempfile
 
 import jax
+import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -72,6 +74,21 @@ def make_step(style, loss_fn, params, batch, refresh, fraction):
           "quiet": "cov"}[style]
   return (T.jit_step(T.make_step(loss_fn, tx, kind, est_fn)),
           T.init_carry(params, tx))
+
+
+def quiet_start(loss_fn, params, batch, steps):
+  """The first step of ``steps`` quiet ones (no statistics, no refresh) of
+  ``kfl.kfac``'s planned defaults: after the last young step (a power of
+  two) below the shorter interval (``kfl.describe``'s plan)."""
+  plan = kfl.describe(loss_fn, params, batch).plan
+  interval = min(plan.cov_every, plan.inverse_every)
+  start = 1 << (interval - 1).bit_length() - 1 if interval > 1 else 0
+  start += 1
+  if start + steps > interval:
+    raise SystemExit(f"profile_step: the plan (statistics every "
+                     f"{plan.cov_every}, refresh every {plan.inverse_every}) "
+                     f"has no {steps} quiet steps in a row after step {start}")
+  return start
 
 
 def kernel_shares(events):
@@ -124,14 +141,19 @@ def main(argv=None):
   step, carry = make_step(args.style, loss_fn, params, batch, args.refresh,
                           args.fraction)
   hlo = step.lower(carry, batch).compile().as_text()
-  # Past the young refreshes (steps 1, 2, 4, 8, 16; 32 for the planned
-  # defaults of --style quiet, whose next statistics are at step 50).
-  for _ in range(34 if args.style == "quiet" else 20):
+  warm = 20  # Past the young refreshes (steps 1, 2, 4, 8, 16).
+  if args.style == "quiet":
+    warm = quiet_start(loss_fn, params, batch, args.steps)
+  for _ in range(warm):
     carry, loss = step(carry, batch)
   jax.block_until_ready(loss)
   with tempfile.TemporaryDirectory() as out:
     with jax.profiler.trace(out, create_perfetto_trace=True):
       for _ in range(args.steps):
+        # The chain's K-FAC state's flag, read to the host (no kernel).
+        if args.style == "quiet" and int(np.asarray(carry[1][0].stats_due)):
+          raise SystemExit("profile_step: a traced step of --style quiet "
+                           "computes statistics")
         carry, loss = step(carry, batch)
         jax.block_until_ready((carry, loss))
     path, = glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"),
