@@ -287,16 +287,7 @@ def test_measurement_other_than_the_loss():
     grads, blocks = dense_curvature(params, x, y, "ekfac")
     def one(p, xi, yi):
       return margin(p, (xi[None], yi[None]))[0]
-
-    @jax.jit  # One compile instead of one per operation.
-    def measurement_grads(params, x, y):
-      gm = jax.vmap(jax.grad(one), (None, 0, 0))(params, x, y)
-      return jnp.concatenate([
-          jnp.concatenate([gm["w1"], gm["b1"][:, None]], 1).reshape(3, -1),
-          jnp.concatenate([gm["w2"], gm["b2"][:, None]], 1).reshape(3, -1)],
-          1)
-
-    gm = measurement_grads(params, x[:3], y[:3])
+    gm = flat_grads(params, x[:3], y[:3], per_example=one)
     want = dense_scores(gm, grads, blocks, None, "ekfac")
     got = kfl.influence.pairwise_scores(state, params, (x[:3], y[:3]),
                                         [(x, y)], measurement=margin,
