@@ -61,9 +61,12 @@ class Candidate(NamedTuple):
 def cov_style(style, cov_every):
   """The step style of a one-pass candidate with ``cov_every``: ``"cov"``
   (``with_stats=kfl.stats_due(state)``, so the statistics are computed only
-  where the transform folds them) when ``cov_every`` is not 1 (None:
-  ``kfl.kfac``'s plan chooses it), else ``style``."""
-  return "cov" if style == "1-pass" and cov_every != 1 else style
+  where the transform folds them; ``"cov+batch="`` for ``"1-pass+batch="``)
+  when ``cov_every`` is not 1 (None: the plan chooses it), else
+  ``style``."""
+  if cov_every == 1 or style not in ("1-pass", "1-pass+batch="):
+    return style
+  return "cov" if style == "1-pass" else "cov+batch="
 
 
 def optax_candidate(family, settings, style, make_tx, loss_fn, params,

@@ -22,12 +22,13 @@ def gib(n):
   return f"{n / 2**30:.2f} GiB"
 
 
-def policy(kinds, max_dense_side):
+def policy(kinds, max_dense_side, side_block=None):
   """``blocks=`` moving the size policy's limit for the layer ``kinds``
-  (None where ``max_dense_side`` is None: the default limit)."""
-  if max_dense_side is None:
-    return None
-  return {k: {"max_dense_side": max_dense_side} for k in kinds}
+  and partitioning their sides by ``side_block`` (None where both are
+  None: the defaults)."""
+  options = {k: v for k, v in (("max_dense_side", max_dense_side),
+                               ("side_block", side_block)) if v is not None}
+  return {k: dict(options) for k in kinds} if options else None
 
 
 def describe_and_state(loss_fn, params, example, kinds, blocks=None,

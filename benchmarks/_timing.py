@@ -23,7 +23,7 @@ import optax
 
 from _kfl import kfl
 
-STYLES = ("grad", "batch=", "1-pass", "1-pass+batch=", "cov")
+STYLES = ("grad", "batch=", "1-pass", "1-pass+batch=", "cov", "cov+batch=")
 
 
 def fresh(tree):
@@ -51,13 +51,14 @@ def make_step(loss_fn, tx, style, est_fn=None):
       ``batch=`` (``kfl.kfac_optimizer``'s quadratic model uses it);
       ``"cov"``: ``"1-pass"`` with ``est_fn(..., with_stats=kfl.stats_due(
       s))``, so the statistics are computed only on the updates that
-      accumulate them (``kfl.kfac(..., cov_every=K)``).
+      accumulate them (``kfl.kfac(..., cov_every=K)``); ``"cov+batch="``:
+      ``"cov"`` also passing ``batch=`` (a planned ``kfl.kfac_optimizer``).
     est_fn: ``kfl.value_grad_and_stats(loss_fn, ...)``, for the ``1-pass``
       styles.
   """
   if style not in STYLES:
     raise ValueError(f"unknown style {style!r}; one of {STYLES}")
-  if style.startswith("1-pass") or style == "cov":
+  if style.startswith("1-pass") or style.startswith("cov"):
     if est_fn is None:
       raise ValueError(f"style {style!r} needs est_fn")
 
@@ -69,10 +70,11 @@ def make_step(loss_fn, tx, style, est_fn=None):
       u, s = (tx.update(g, s, p, batch=batch) if style == "batch="
               else tx.update(g, s, p))
     else:
-      extra = {"with_stats": kfl.stats_due(s)} if style == "cov" else {}
+      extra = ({"with_stats": kfl.stats_due(s)} if style.startswith("cov")
+               else {})
       est = est_fn(p, batch, sub, **extra)
       loss = est.loss
-      kw = {"batch": batch} if style == "1-pass+batch=" else {}
+      kw = {"batch": batch} if style.endswith("+batch=") else {}
       u, s = tx.update(est.grads, s, p, stats=est.stats, **kw)
     return (optax.apply_updates(p, u), s, key), loss
 

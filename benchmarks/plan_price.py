@@ -120,12 +120,13 @@ def measure(name, build, options, periods, lr=0.01):
       k: v for k, v in options.items() if k in ("budget", "cov_every",
                                                 "inverse_every",
                                                 "estimation",
-                                                "stats_fraction")})
+                                                "stats_fraction",
+                                                "blocks")})
   plan = table.plan
   est_fn = kfl.value_grad_and_stats(
       loss_fn, params, batch,
       **{k: v for k, v in options.items()
-         if k in ("estimation", "stats_fraction")})
+         if k in ("estimation", "stats_fraction", "blocks")})
   kfac = optax.chain(kfl.kfac(loss_fn, batch, **options),
                      optax.sgd(lr, momentum=0.9))
   adam = optax.with_extra_args_support(optax.adam(1e-3))

@@ -94,11 +94,16 @@ def main(argv=None):
   ap.add_argument("--no-train", action="store_true",
                   help="only the state's bytes and describe's time")
   ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--side-block", type=int, default=None,
+                  help="partition the factor sides over this into equal "
+                  "diagonal blocks (a Kronecker block's side_block; "
+                  "default: whole sides)")
   ap.add_argument("--max-dense-side", type=int, default=None,
                   help="the size policy's limit for the conv and dense "
                   "layers (default: kfl.blocks.MAX_DENSE_SIDE)")
   args = ap.parse_args(argv)
-  blocks = policy(("conv", "dense"), args.max_dense_side)
+  blocks = policy(("conv", "dense"), args.max_dense_side,
+                  args.side_block)
   stages, width, classes, side = (((1, 1, 1, 1), 16, 10, 64) if args.quick
                                   else ((3, 4, 6, 3), 64, 1000, 224))
   model = ResNet(stages, width, classes)

@@ -92,13 +92,18 @@ def main():
   ap.add_argument("--batch", type=int, default=4)
   ap.add_argument("--no-train", action="store_true",
                   help="only the state's bytes and describe's time")
+  ap.add_argument("--side-block", type=int, default=None,
+                  help="partition the factor sides over this into equal "
+                  "diagonal blocks (a Kronecker block's side_block; "
+                  "default: whole sides)")
   ap.add_argument("--max-dense-side", type=int, default=None,
                   help="the size policy's limit for the dense and "
                   "embedding layers (default: kfl.blocks.MAX_DENSE_SIDE)")
   ap.add_argument("--kfac-only", action="store_true",
                   help="train only the K-FAC runs (no AdamW reference)")
   args = ap.parse_args()
-  blocks = policy(("dense", "embedding"), args.max_dense_side)
+  blocks = policy(("dense", "embedding"), args.max_dense_side,
+                  args.side_block)
   vocab, width, depth, heads = ((8192, 384, 6, 6) if args.small
                                 else (50257, 768, 12, 12))
   context = 128
@@ -118,7 +123,8 @@ def main():
         f"context {context}, batch {args.batch}; "
         f"{sum(x.size for x in jax.tree.leaves(params)) / 1e6:.1f}M params, "
         f"{gib(pbytes)}; JAX {jax.__version__}, {jax.devices()[0].platform}; "
-        f"max_dense_side {args.max_dense_side or kfl.blocks.MAX_DENSE_SIDE}")
+        f"max_dense_side {args.max_dense_side or kfl.blocks.MAX_DENSE_SIDE}, "
+        f"side_block {args.side_block}")
   t_describe, sizes = describe_and_state(loss_fn, params, example,
                                          ("dense", "embedding"), blocks)
 

@@ -110,11 +110,22 @@ def brute_factors(params, batch, mode):
   return out
 
 
+def block_mask(m, features, side_block):
+  """``m`` with only its ``p = ⌈features / side_block⌉`` diagonal blocks of
+  ``⌈n / p⌉`` rows kept (a partitioned side; ``features`` the side counted
+  as the policy counts it, without the bias's row)."""
+  n = m.shape[0]
+  parts = -(-features // side_block) if features > side_block else 1
+  which = np.arange(n) // -(-n // parts)
+  return m * (which[:, None] == which[None, :])
+
+
 def brute_update(params, grads, batch, mode, damping_mode,
-                 max_dense_side=None):
+                 max_dense_side=None, side_block=None):
   """The K-FAC update from ``brute_factors``; a side larger than
   ``max_dense_side`` keeps only its diagonal (the size policy; the input
-  side counted without the bias's row)."""
+  side counted without the bias's row), one larger than ``side_block``
+  only its diagonal blocks (``block_mask``)."""
   updates = []
   for (big_a, big_g), g in zip(brute_factors(params, batch, mode), grads):
     v = np.concatenate([np.asarray(g["w"]), np.asarray(g["b"])[None]], 0)
@@ -122,6 +133,9 @@ def brute_update(params, grads, batch, mode, damping_mode,
     if max_dense_side is not None:
       big_a = np.diag(np.diag(big_a)) if a - 1 > max_dense_side else big_a
       big_g = np.diag(np.diag(big_g)) if b > max_dense_side else big_g
+    if side_block is not None:
+      big_a = block_mask(big_a, a - 1, side_block)
+      big_g = block_mask(big_g, b, side_block)
     if damping_mode == "exact":
       curv = np.kron(big_a, big_g) + LAM * np.eye(a * b)
     else:
@@ -134,12 +148,14 @@ def brute_update(params, grads, batch, mode, damping_mode,
 
 
 @functools.lru_cache(maxsize=None)
-def _update_fn(loss_name, estimation, damping_mode, max_dense_side=None):
+def _update_fn(loss_name, estimation, damping_mode, max_dense_side=None,
+               side_block=None):
   loss_fn = {"classifier": classifier_loss, "registered_mse": registered_mse,
              "handwritten_mse": handwritten_mse,
              "opaque_mse": opaque_mse}[loss_name]
-  blocks = (None if max_dense_side is None else
-            {"dense": {"max_dense_side": max_dense_side}})
+  options = {k: v for k, v in (("max_dense_side", max_dense_side),
+                               ("side_block", side_block)) if v is not None}
+  blocks = {"dense": options} if options else None
   tx = kfl.kfac(loss_fn, batch64(), damping=LAM, estimation=estimation,
                 damping_mode=damping_mode, norm_constraint=None,
                 blocks=blocks)
@@ -194,6 +210,33 @@ def test_size_policy_update_matches_brute_force_in_float64(damping_mode):
     assert sorted(shapes) == [((1, 5, 5), (1, 5)), ((1, 6), (1, 3, 3))], shapes
     want = brute_update(params, grads, batch, "exact", damping_mode,
                         max_dense_side=4)
+    for got_layer, want_layer in zip(updates, want):
+      for k in ("w", "b"):
+        assert rel_err(got_layer[k], want_layer[k]) < RTOL, (k, rel_err(
+            got_layer[k], want_layer[k]))
+
+
+@pytest.mark.parametrize("damping_mode", ["pi", "exact"])
+def test_partitioned_sides_update_matches_brute_force_in_float64(
+    damping_mode):
+  """Partitioned sides through ``kfl.kfac`` (``side_block=2``): layer 0's
+  input side (4 inputs and the bias) in 2 blocks of 3 (one padded row),
+  its output side of 5 in 3 blocks of 2 (one padded); layer 1's input side
+  (5 and the bias) in 3 blocks of 2, its output side of 3 in 2 blocks of 2;
+  the update is the brute-force damped inverse of the block-diagonal parts
+  of ``A`` and ``G`` from per-example Jacobians, the π trace over the real
+  rows, in both damping modes."""
+  with x64_mode(True):
+    params, batch = params64(), batch64()
+    loss_fn, update = _update_fn("classifier", "exact", damping_mode,
+                                 side_block=2)
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = update(params, batch)
+    shapes = [tuple(s.cov.shape for s in b) for b in state.blocks.values()]
+    assert sorted(shapes) == [((1, 2, 3, 3), (1, 3, 2, 2)),
+                              ((1, 3, 2, 2), (1, 2, 2, 2))], shapes
+    want = brute_update(params, grads, batch, "exact", damping_mode,
+                        side_block=2)
     for got_layer, want_layer in zip(updates, want):
       for k in ("w", "b"):
         assert rel_err(got_layer[k], want_layer[k]) < RTOL, (k, rel_err(

@@ -10,8 +10,8 @@ from kfac_jax_lite.blocks._kron import KroneckerState
 from kfac_jax_lite.blocks.base import as_block  # noqa: F401 (not in __all__)
 from kfac_jax_lite.blocks._size import MAX_DENSE_SIDE, state_bytes
 from kfac_jax_lite.blocks.base import (
-    ACTIVATIONS, GRADIENTS, Block, FlatBlock, KroneckerBlock, LayerData,
-    check_block)
+    ACTIVATIONS, GRADIENTS, Block, KroneckerBlock, LayerData, check_block)
+from kfac_jax_lite.blocks.flat import FlatBlock
 from kfac_jax_lite.blocks.conv import KroneckerConv
 from kfac_jax_lite.blocks.dense import KroneckerDense
 from kfac_jax_lite.blocks.diagonal import DiagonalConv, DiagonalDense

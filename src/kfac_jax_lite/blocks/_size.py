@@ -1,7 +1,9 @@
 """The Kronecker blocks' size policy and the price of a block's state.
 
 A factor side over ``MAX_DENSE_SIDE`` (a block's ``max_dense_side``; an
-input side counted without the bias's row) keeps only its diagonal;
+input side counted without the bias's row) keeps only its diagonal; a side
+over a block's ``side_block`` (and within the limit) is partitioned into
+``⌈n / side_block⌉`` equal diagonal blocks (``partitions``);
 ``state_bytes`` prices a block's state from its shapes alone, for
 ``kfl.describe`` and ``tx.init``'s memory check.
 """
@@ -33,6 +35,27 @@ runs' spread); a ResNet-50's state 1.91x against 4.29x."""
 def beyond_limit(side: int, max_dense_side: int | None) -> bool:
   """Whether a factor side of ``side`` is over the size policy's limit."""
   return max_dense_side is not None and side > max_dense_side
+
+
+def partitions(side: int, side_block: int | None) -> int:
+  """How many diagonal blocks a factor side of ``side`` (counted as the
+  limit counts it: an input side without the bias's row) is split into:
+  ``⌈side / side_block⌉``, 1 (whole) when ``side_block`` is None or not
+  smaller. Each block has ``⌈n / p⌉`` rows of the side's ``n`` (the bias's
+  row counted), the last padded."""
+  if side_block is None or side <= side_block:
+    return 1
+  return -(-side // side_block)
+
+
+def check_side_block(side_block, where):
+  """``ValueError`` (naming ``where``) unless ``side_block`` is an int of
+  at least 2 or None."""
+  if side_block is not None and (isinstance(side_block, bool)
+                                 or not isinstance(side_block, int)
+                                 or side_block < 2):
+    raise ValueError(f"{where}: side_block must be an int >= 2 or None (no "
+                     f"partitions), got {side_block!r}")
 
 
 def check_max_dense_side(limit, where):

@@ -1,4 +1,5 @@
-"""The interface every curvature block implements, and its two families.
+"""The interface every curvature block implements, and the Kronecker family
+(the flat family: ``flat.FlatBlock``).
 
 A block is a frozen (hashable) dataclass holding static configuration only;
 its state is a pytree of ``FactorState``s and every method is a pure
@@ -49,7 +50,6 @@ independent copies of a block (a layer stacked along ``lax.scan``).
 from __future__ import annotations
 
 import abc
-import math
 from typing import Any, Callable, ClassVar, NamedTuple
 
 import jax
@@ -60,7 +60,8 @@ from kfac_jax_lite.blocks import _kron
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
 from kfac_jax_lite.blocks._size import (
-    beyond_limit, check_max_dense_side, state_bytes)
+    beyond_limit, check_max_dense_side, check_side_block, partitions,
+    state_bytes)
 
 ACTIVATIONS = "activations"
 """``Block.consumes`` of a block that reads the layer's inputs and output
@@ -322,10 +323,17 @@ class KroneckerBlock(Block):
   """``F = c · blockdiag_g(A_g ⊗ G_g)`` over the layout's ``[g, a, b]`` view.
 
   Subclasses provide ``layout``, ``damping_mode``, ``renorm_coeff``,
-  ``max_dense_side`` and ``compute_stats``; ``input_diagonal`` and
-  ``output_diagonal`` say a factor keeps only its diagonal: a side larger
-  than ``max_dense_side`` does (``MAX_DENSE_SIDE``), so that
-  ``F ≈ c · diag(A) ⊗ G`` (or ``A ⊗ diag(G)``, ``diag(A) ⊗ diag(G)``).
+  ``max_dense_side``, ``side_block`` and ``compute_stats``;
+  ``input_diagonal`` and ``output_diagonal`` say a factor keeps only its
+  diagonal: a side larger than ``max_dense_side`` does
+  (``MAX_DENSE_SIDE``), so that ``F ≈ c · diag(A) ⊗ G`` (or ``A ⊗
+  diag(G)``, ``diag(A) ⊗ diag(G)``). ``input_parts`` and ``output_parts``
+  say a dense side within the limit but larger than ``side_block`` is
+  partitioned (Shampoo's blocks): ``A ≈ blockdiag(A_1, ..., A_p)``, the
+  dense ``A``'s diagonal blocks of ``⌈a / p⌉`` rows each (a factor ``[g,
+  p, k, k]``); its statistics ``2·m·a·k`` instead of ``2·m·a²``, its
+  preconditioning ``2·a·b·k`` instead of ``2·a²·b``, its refresh
+  ``p·k³`` instead of ``a³``.
   """
 
   symmetric_stats: ClassVar[bool] = True  # A and G: covariances.
@@ -334,6 +342,7 @@ class KroneckerBlock(Block):
   damping_mode: str
   renorm_coeff: float
   max_dense_side: int | None
+  side_block: int | None = None  # A subclass without the field: whole sides.
 
   @property
   def input_diagonal(self) -> bool:
@@ -349,25 +358,48 @@ class KroneckerBlock(Block):
     return beyond_limit(self.layout.b, self.max_dense_side)
 
   @property
+  def input_parts(self) -> int:
+    """How many diagonal blocks the input factor ``A`` is partitioned
+    into (1: whole or diagonal); its input features counted without the
+    bias's row, as the limit counts them."""
+    if self.input_diagonal:
+      return 1
+    return partitions(self.layout.a - int(self.layout.has_bias),
+                      self.side_block)
+
+  @property
+  def output_parts(self) -> int:
+    """How many diagonal blocks the output factor ``G`` is partitioned
+    into (1: whole or diagonal)."""
+    return 1 if self.output_diagonal else partitions(self.layout.b,
+                                                     self.side_block)
+
+  @property
   def param_shapes(self):
     return self.layout.param_shapes
 
   @property
   def factor_shapes(self):
-    """Shapes of the input and output factors (leading axis: groups)."""
-    lay, g = self.layout, self.layout.groups
-    a = (g, lay.a) if self.input_diagonal else (g, lay.a, lay.a)
-    b = (g, lay.b) if self.output_diagonal else (g, lay.b, lay.b)
-    return a, b
+    """Shapes of the input and output factors (leading axis: groups; a
+    partitioned side ``(g, p, k, k)``)."""
+    g = self.layout.groups
+    return tuple(_side_shape(g, n, diagonal, parts)
+                 for n, diagonal, parts in self._sides())
+
+  def _sides(self):
+    """``(n, diagonal, parts)`` of the input and the output side."""
+    lay = self.layout
+    return ((lay.a, self.input_diagonal, self.input_parts),
+            (lay.b, self.output_diagonal, self.output_parts))
 
   def init(self, dtype=jnp.float32) -> _kron.KroneckerState:
-    lay = self.layout
+    g = self.layout.groups
     cache = _kron.cache_kind(self.damping_mode)
-    return _kron.KroneckerState(
-        a=fac.init_factor(lay.a, diagonal=self.input_diagonal,
-                          batch_shape=(lay.groups,), dtype=dtype, cache=cache),
-        g=fac.init_factor(lay.b, diagonal=self.output_diagonal,
-                          batch_shape=(lay.groups,), dtype=dtype, cache=cache))
+    a, b = (fac.init_factor(-(-n // parts), diagonal=diagonal,
+                            batch_shape=(g,) if parts == 1 else (g, parts),
+                            dtype=dtype, cache=cache)
+            for n, diagonal, parts in self._sides())
+    return _kron.KroneckerState(a=a, g=b)
 
   def update(self, state, stats, decay, weight=1.0):
     ok = fac.all_finite(stats)
@@ -377,7 +409,8 @@ class KroneckerBlock(Block):
 
   def refresh(self, state, damping, exp=-1.0, step=0, method="auto"):
     return _kron.refresh(state, damping, exp, self.damping_mode,
-                         self.renorm_coeff, step, method)
+                         self.renorm_coeff, step, method,
+                         sizes=(self.layout.a, self.layout.b))
 
   def _apply(self, v, fn):
     return on_layout_matrix(self, v, fn)
@@ -403,85 +436,26 @@ class KroneckerBlock(Block):
         inverse=True, transpose=transpose))
 
   def to_dense(self, state):
-    return from_canonical(self, _kron.to_dense(state, self.renorm_coeff))
+    return from_canonical(self, _kron.to_dense(
+        state, self.renorm_coeff, sizes=(self.layout.a, self.layout.b)))
 
   def check_options(self):
     """``ValueError`` for a bad ``damping_mode``, ``renorm_coeff`` or
     ``max_dense_side`` (each subclass's ``__post_init__``)."""
     check_max_dense_side(self.max_dense_side, type(self).__name__)
+    check_side_block(self.side_block, type(self).__name__)
     _kron.check_damping_mode(self.damping_mode, type(self).__name__)
     if not self.renorm_coeff > 0:
       raise ValueError(f"{type(self).__name__}: renorm_coeff must be > 0, "
                        f"got {self.renorm_coeff}")
 
 
-class FlatBlock(Block):
-  """A block over the flat parameter vector: a diagonal or a full matrix.
-
-  Subclasses provide ``param_shapes``, ``diagonal`` and ``compute_stats``
-  returning the new diagonal ``[n]`` or matrix ``[n, n]``.
-  """
-
-  diagonal: bool  # Provided by each subclass (a field or class attribute).
-  symmetric_stats: ClassVar[bool] = True  # [n] or Σ g gᵀ [n, n].
-
-  @property
-  def size(self):
-    return sum(math.prod(s) for s in self.param_shapes)
-
-  @property
-  def factor_shapes(self):
-    return ((self.size,) if self.diagonal else (self.size, self.size),)
-
-  def init(self, dtype=jnp.float32) -> fac.FactorState:
-    return fac.init_factor(self.size, diagonal=self.diagonal, dtype=dtype)
-
-  def update(self, state, stats, decay, weight=1.0):
-    return fac.update_cov(state, stats, decay, weight)
-
-  def refresh(self, state, damping, exp=-1.0, step=0, method="auto"):
-    return fac.refresh_cache(state, step, damping=damping, exp=exp,
-                             method=method)
-
-  def _apply(self, v, fn):
-    _layout.check_params(self, v, self.param_shapes)
-    dtypes = [jnp.asarray(x).dtype for x in v]
-    flat = _layout.flatten(v)
-    out = fn(flat.astype(float_dtype(flat)))
-    return tuple(x.astype(d) for x, d in zip(
-        _layout.unflatten(out, self.param_shapes), dtypes))
-
-  def multiply(self, state, v):
-    return self._apply(v, lambda x: fac.multiply(state, x))
-
-  def multiply_matpower(self, state, v, damping, exp, use_cache=False):
-    if use_cache:  # The cache holds the damped power chosen at refresh.
-      return self._apply(v, lambda x: fac.multiply_matpower(
-          state, x, damping, exp, use_cache=True))
-    return self._apply(v, lambda x: fac.multiply_matpower(state, x, damping, exp))
-
-  def multiply_inverse(self, state, v, damping, use_cache=False):
-    if use_cache:
-      return self.multiply_matpower(state, v, damping, -1.0, use_cache=True)
-    return self._apply(v, lambda x: fac.multiply_inverse(state, x, damping))
-
-  def _cholesky(self, state, v, damping, inverse, transpose):
-    def fn(x):
-      chol = fac.damped_cholesky(state, damping)
-      if self.diagonal:
-        return x / chol if inverse else x * chol
-      if inverse:
-        return fac.solve_triangular(
-            chol, x, lower=True, trans=1 if transpose else 0)
-      return (chol.T if transpose else chol) @ x
-    return self._apply(v, fn)
-
-  def multiply_cholesky(self, state, v, damping, transpose=False):
-    return self._cholesky(state, v, damping, False, transpose)
-
-  def multiply_cholesky_inverse(self, state, v, damping, transpose=False):
-    return self._cholesky(state, v, damping, True, transpose)
-
-  def to_dense(self, state):
-    value = fac.factor_value(state)
-    return jnp.diag(value) if self.diagonal else value
+def _side_shape(groups, n, diagonal, parts):
+  """A factor side's shape: ``(g, n)`` diagonal, ``(g, n, n)`` dense,
+  ``(g, p, k, k)`` partitioned into ``p`` blocks of ``k = ⌈n/p⌉``."""
+  if diagonal:
+    return (groups, n)
+  if parts == 1:
+    return (groups, n, n)
+  k = -(-n // parts)
+  return (groups, parts, k, k)

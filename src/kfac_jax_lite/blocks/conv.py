@@ -231,7 +231,10 @@ class KroneckerConv(ConvConfig, base.KroneckerBlock):
   the output locations; ``repeats``: see ``ConvConfig``;
   ``max_dense_side``: a factor side (a group's patch, ``window · in``, the
   bias's row not counted, or its output channels) larger than this keeps
-  only its diagonal (``blocks.MAX_DENSE_SIDE``; None: no limit).
+  only its diagonal (``blocks.MAX_DENSE_SIDE``; None: no limit);
+  ``side_block``: a side within the limit but larger than this is
+  partitioned into equal diagonal blocks (``KroneckerBlock``; None, the
+  default: whole).
   Parameters: ``(kernel,)`` or ``(kernel, bias)`` with ``bias [out]``.
   """
 
@@ -239,6 +242,7 @@ class KroneckerConv(ConvConfig, base.KroneckerBlock):
   weight_sharing: str = "expand"
   renorm_coeff: float = 1.0
   max_dense_side: int | None = _size.MAX_DENSE_SIDE
+  side_block: int | None = None
 
   def __post_init__(self):
     self._setup()
@@ -253,6 +257,6 @@ class KroneckerConv(ConvConfig, base.KroneckerBlock):
     per_group = jax.vmap(
         lambda ai, gi: dense.kronecker_stats(
             ai, gi, c, w, self.weight_sharing, self.input_diagonal,
-            self.output_diagonal),
+            self.output_diagonal, self.input_parts, self.output_parts),
         in_axes=(2, 3))(a, g)
     return jax.tree.map(lambda x: x[:, 0], per_group)

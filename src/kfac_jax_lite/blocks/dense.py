@@ -65,39 +65,54 @@ def dense_data(layout, inputs, cotangents, weights, where):
   return a, g, c, w
 
 
-def _second_moment(x, y, diagonal):
-  """``base.gram(x, y)`` [n, n], or only its diagonal [n] (never forming
-  the ``n × n`` product)."""
-  if not diagonal:
+def _second_moment(x, y, diagonal, parts=1):
+  """``base.gram(x, y)`` [n, n], only its diagonal [n] (never forming
+  the ``n × n`` product), or, for ``parts`` > 1, its ``p = parts``
+  diagonal blocks ``[p, k, k]`` of ``k = ⌈n/p⌉`` rows (the side padded
+  with zeros to ``p·k``)."""
+  if diagonal:
+    return jnp.sum((x * y).reshape(-1, x.shape[-1]), axis=0)
+  if parts == 1:
     return base.gram(x, y)
-  return jnp.sum((x * y).reshape(-1, x.shape[-1]), axis=0)
+  n = x.shape[-1]
+  k = -(-n // parts)
+  split = lambda z: jnp.pad(z.reshape(-1, n), ((0, 0), (0, parts * k - n))
+                            ).reshape(-1, parts, k)
+  return jnp.einsum("mpi,mpj->pij", split(x), split(y))
 
 
-def input_stats(a, w, weight_sharing, diagonal=False):
-  """The input factor ``A`` [a, a] (``diagonal``: its diagonal [a]) from
-  ``a [N, R, a]`` and weights ``w``."""
+def input_stats(a, w, weight_sharing, diagonal=False, parts=1):
+  """The input factor ``A`` [a, a] (``diagonal``: its diagonal [a];
+  ``parts`` > 1: its diagonal blocks ``[p, k, k]``) from ``a [N, R, a]``
+  and weights ``w``."""
   if weight_sharing == "expand":
-    return _second_moment(a * w[:, None, None], a, diagonal) / a.shape[1]
+    return _second_moment(a * w[:, None, None], a, diagonal,
+                          parts) / a.shape[1]
   a_bar = a.mean(axis=1)
-  return _second_moment(a_bar * w[:, None], a_bar, diagonal)
+  return _second_moment(a_bar * w[:, None], a_bar, diagonal, parts)
 
 
-def output_stats(g, c, weight_sharing, diagonal=False):
-  """The output factor ``G`` [b, b] (``diagonal``: its diagonal [b]) from
-  ``g [S, N, R, b]`` and ``c``."""
+def output_stats(g, c, weight_sharing, diagonal=False, parts=1):
+  """The output factor ``G`` [b, b] (``diagonal``: its diagonal [b];
+  ``parts`` > 1: its diagonal blocks ``[p, k, k]``) from ``g [S, N, R,
+  b]`` and ``c``."""
   if weight_sharing == "expand":
-    return _second_moment(g * c[:, None, None], g, diagonal) / g.shape[0]
+    return _second_moment(g * c[:, None, None], g, diagonal,
+                          parts) / g.shape[0]
   g_hat = g.sum(axis=2)
-  return _second_moment(g_hat * c[:, None], g_hat, diagonal) / g.shape[0]
+  return _second_moment(g_hat * c[:, None], g_hat, diagonal,
+                        parts) / g.shape[0]
 
 
 def kronecker_stats(a, g, c, w, weight_sharing, input_diagonal=False,
-                    output_diagonal=False):
+                    output_diagonal=False, input_parts=1, output_parts=1):
   """``KroneckerState``-shaped statistics ``(A [1, a, a], G [1, b, b])``
-  (a diagonal side: ``[1, a]`` or ``[1, b]``, its diagonal)."""
+  (a diagonal side: ``[1, a]`` or ``[1, b]``, its diagonal; a partitioned
+  side ``[1, p, k, k]``, its diagonal blocks)."""
   return _kron.KroneckerState(
-      a=input_stats(a, w, weight_sharing, input_diagonal)[None],
-      g=output_stats(g, c, weight_sharing, output_diagonal)[None])
+      a=input_stats(a, w, weight_sharing, input_diagonal, input_parts)[None],
+      g=output_stats(g, c, weight_sharing, output_diagonal,
+                     output_parts)[None])
 
 
 def check_weight_sharing(mode, where):
@@ -115,7 +130,10 @@ class KroneckerDense(base.KroneckerBlock):
   for einsum forms); the other axes are outputs, and the bias (if any) is
   shaped like them. ``max_dense_side``: a factor side larger than this
   keeps only its diagonal (``blocks.MAX_DENSE_SIDE``; None: no limit; the
-  input side counted without the bias's row).
+  input side counted without the bias's row); ``side_block``: a side
+  within the limit but larger than this is partitioned into
+  ``⌈side / side_block⌉`` equal diagonal blocks (``KroneckerBlock``;
+  None, the default: whole).
   Parameters: ``(kernel,)`` or ``(kernel, bias)``.
   """
 
@@ -126,6 +144,7 @@ class KroneckerDense(base.KroneckerBlock):
   weight_sharing: str = "expand"
   renorm_coeff: float = 1.0
   max_dense_side: int | None = _size.MAX_DENSE_SIDE
+  side_block: int | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "kernel_shape", tuple(self.kernel_shape))
@@ -143,4 +162,5 @@ class KroneckerDense(base.KroneckerBlock):
     ``[(S,) N, *shared, *out_dims]`` (``∂ℓ_i/∂y``, S sampled targets)."""
     return kronecker_stats(
         *dense_data(self.layout, inputs, cotangents, weights, repr(self)),
-        self.weight_sharing, self.input_diagonal, self.output_diagonal)
+        self.weight_sharing, self.input_diagonal, self.output_diagonal,
+        self.input_parts, self.output_parts)

@@ -16,12 +16,12 @@ import dataclasses
 import jax.numpy as jnp
 
 from kfac_jax_lite.blocks import _layout
-from kfac_jax_lite.blocks import base
+from kfac_jax_lite.blocks import flat
 from kfac_jax_lite.blocks import conv
 from kfac_jax_lite.blocks import dense
 
 
-class _DiagonalOfLayout(base.FlatBlock):
+class _DiagonalOfLayout(flat.FlatBlock):
   """A diagonal block whose statistics come in the layout's matrix form."""
 
   diagonal = True

@@ -33,8 +33,10 @@ class KroneckerEmbedding(base.KroneckerBlock):
   """Kronecker block of an embedding table ``[vocab_size, dim]``.
 
   ``max_dense_side``: an output factor (``dim``) larger than this keeps
-  only its diagonal (``blocks.MAX_DENSE_SIDE``; None: no limit); the input
-  factor is always diagonal. Parameters: ``(table,)``.
+  only its diagonal (``blocks.MAX_DENSE_SIDE``; None: no limit), one
+  larger than ``side_block`` is partitioned into equal diagonal blocks
+  (``KroneckerBlock``; None, the default: whole); the input factor is
+  always diagonal. Parameters: ``(table,)``.
   """
 
   vocab_size: int
@@ -43,6 +45,7 @@ class KroneckerEmbedding(base.KroneckerBlock):
   weight_sharing: str = "expand"
   renorm_coeff: float = 1.0
   max_dense_side: int | None = _size.MAX_DENSE_SIDE
+  side_block: int | None = None
 
   @property
   def input_diagonal(self) -> bool:
@@ -82,5 +85,5 @@ class KroneckerEmbedding(base.KroneckerBlock):
         share.ravel(), mode="drop")
     g = g.reshape(g.shape[0], n, r, self.dim).astype(dtype)
     big_g = dense.output_stats(g, c, self.weight_sharing,
-                               self.output_diagonal)
+                               self.output_diagonal, self.output_parts)
     return _kron.KroneckerState(a=big_a[None], g=big_g[None])

@@ -23,9 +23,10 @@ import dataclasses
 import jax.numpy as jnp
 
 from kfac_jax_lite.blocks import base
+from kfac_jax_lite.blocks import flat
 
 
-class _GradientBlock(base.FlatBlock):
+class _GradientBlock(flat.FlatBlock):
 
   consumes = base.GRADIENTS
 

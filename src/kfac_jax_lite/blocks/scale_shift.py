@@ -18,10 +18,11 @@ import dataclasses
 import jax.numpy as jnp
 
 from kfac_jax_lite.blocks import base
+from kfac_jax_lite.blocks import flat
 
 
 @dataclasses.dataclass(frozen=True)
-class ScaleAndShift(base.FlatBlock):
+class ScaleAndShift(flat.FlatBlock):
   """Curvature of elementwise ``scale`` and/or ``shift`` parameters.
 
   ``param_shape``: the shape of each parameter (both share it);

@@ -30,6 +30,10 @@ other kinds, with ``g`` groups (a grouped convolution's blocks) counted as
   ``n``: statistics ``2·m·P·n`` (squares summed), precondition ``a·b``
   (a scaling), refresh ``n`` (reciprocals) instead of ``2·m·P·n²``,
   ``2·n·a·b`` and ``c·n³``.
+* A side partitioned into ``p`` diagonal blocks of ``k`` (``side_block``;
+  ``n = p·k`` with its padding): statistics ``2·m·P·n·k``, precondition
+  ``2·n·k·a·b`` of the side's ``2·n·a·b·n``-priced product, refresh
+  ``c·p·k³`` instead of ``2·m·P·n²``, ``2·n²·b`` and ``c·n³``.
 * More square factors (the series blocks' two pairs) are each priced as a
   covariance, a product with the gradient and an inverse; an EK-FAC
   block's scaling ``[a, b]`` adds ``2·m·P·(a² + b² + a·b)`` to the
@@ -100,7 +104,7 @@ class Flops(NamedTuple):
 def kronecker(factors, m, *, positions=1.0, stats_m=None, slices=1, c=1.0,
               inverse_every: float = 10, cov_every=1, own_forward=False,
               backward=True, eigenbasis=False, reduce=False,
-              embedding=False) -> Flops:
+              embedding=False, sizes=None) -> Flops:
   """The price of a Kronecker-family block (module docstring).
 
   Args:
@@ -120,24 +124,28 @@ def kronecker(factors, m, *, positions=1.0, stats_m=None, slices=1, c=1.0,
     eigenbasis: kept as eigendecompositions (EK-FAC, exact damping).
     reduce: ``weight_sharing="reduce"``.
     embedding: an embedding (ids in: its diagonal ``A`` holds counts).
+    sizes: the layer's real ``(a, b)`` for its SGD share and forward (a
+      partitioned side's shape holds its padded length); None: from the
+      shapes.
   """
   stats_m = m if stats_m is None else stats_m
   factors = [tuple(f) for f in factors]
   # EK-FAC: (A, G, scaling); the series blocks: two pairs; else (A, G).
   scaling = factors[2] if len(factors) == 3 else None
   sides = factors[:2] if scaling else factors
-  g, a = factors[0][:2]
-  b = sides[-1][1]
+  g, a, b = factors[0][0], _side(factors[0])[0], _side(sides[-1])[0]
+  real_a, real_b = (a, b) if sizes is None else sizes
   rows = stats_m * positions  # Rows the statistics see (all slices).
   c = EIGH_COST if eigenbasis else c
   if embedding:
-    sgd, forward, through = m * positions * g * b, 0.0, 0.0
+    sgd, forward, through = m * positions * g * real_b, 0.0, 0.0
   else:
-    sgd, forward = 6 * m * positions * g * a * b, 2 * rows * g * a * b
+    sgd = 6 * m * positions * g * real_a * real_b
+    forward = 2 * rows * g * real_a * real_b
     through = forward if backward else 0.0
   stats = precondition = refresh = 0.0
   for i, side in enumerate(sides):
-    n = side[1]
+    n, k = _side(side)  # k: a dense block's side (n unless partitioned).
     if len(side) == 2:  # A diagonal side: counts, or squares summed.
       if embedding and i == 0:
         stats += rows * g
@@ -149,11 +157,11 @@ def kronecker(factors, m, *, positions=1.0, stats_m=None, slices=1, c=1.0,
       refresh += g * n
       continue
     if reduce:  # Rows summed first, then one row per example.
-      stats += stats_m * positions * g * n + 2 * stats_m * g * n * n
+      stats += stats_m * positions * g * n + 2 * stats_m * g * n * k
     else:
-      stats += 2 * rows * g * n * n
-    precondition += (2 if eigenbasis else 1) * 2 * g * n * a * b
-    refresh += c * g * n ** 3
+      stats += 2 * rows * g * n * k
+    precondition += (2 if eigenbasis else 1) * 2 * g * k * a * b
+    refresh += c * g * n * k ** 2
   if scaling is not None:
     stats += 2 * rows * g * (a * a + b * b + a * b)
     precondition += g * a * b
@@ -161,6 +169,15 @@ def kronecker(factors, m, *, positions=1.0, stats_m=None, slices=1, c=1.0,
   return Flops(sgd=sgd, statistics=stats / cov_every,
                precondition=slices * precondition,
                refresh=slices * refresh / inverse_every)
+
+
+def _side(shape):
+  """``(n, k)`` of a factor side's shape: ``(g, n)`` (diagonal) and ``(g,
+  n, n)`` give ``(n, n)``, a partitioned ``(g, p, k, k)`` gives ``(p·k,
+  k)``."""
+  if len(shape) == 4:
+    return shape[1] * shape[2], shape[2]
+  return shape[1], shape[1]
 
 
 def kronecker_vector(factors, m, *, positions=1.0, stats_m=None, slices=1,

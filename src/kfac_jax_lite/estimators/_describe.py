@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 import math
+import typing
 from typing import Any
 
 import chex
@@ -143,16 +145,21 @@ def rows(tagged, pricing=None):
 def size_note(block, stack=None):
   """What the size policy did to a Kronecker ``block`` (one slice): each
   side kept as its diagonal because it is over ``max_dense_side``
-  (``blocks.MAX_DENSE_SIDE``), with what the dense side would have cost;
-  empty for every other block."""
-  if not isinstance(block, B.KroneckerBlock) or block.max_dense_side is None:
+  (``blocks.MAX_DENSE_SIDE``), with what the dense side would have cost,
+  and each side partitioned by ``side_block``; empty for every other
+  block."""
+  if not isinstance(block, B.KroneckerBlock):
     return ""
   lay, parts = block.layout, []
   sides = (("A", lay.a, block.input_diagonal
-            and not isinstance(block, B.KroneckerEmbedding)),
-           ("G", lay.b, block.output_diagonal))
-  for name, n, diagonal in sides:
-    if diagonal:
+            and not isinstance(block, B.KroneckerEmbedding),
+            block.input_parts),
+           ("G", lay.b, block.output_diagonal, block.output_parts))
+  for name, n, diagonal, p in sides:
+    if p > 1:
+      parts.append(f"{name} partitioned: side {n} in {p} blocks of "
+                   f"{-(-n // p)} (side_block={block.side_block})")
+    if diagonal and block.max_dense_side is not None:
       dense = 2 * 4 * lay.groups * n * n * (stack or 1)
       parts.append(f"{name} diagonal: side {n} > max_dense_side="
                    f"{block.max_dense_side} (dense: {human_bytes(dense)} and "
@@ -189,11 +196,13 @@ def block_flops(row, layer, block, *, m, stats_m, inverse_every, cov_every,
                       diagonal=len(factors[0]) == 1, output_size=out,
                       **common)
   eigen = isinstance(block, B.EigenCorrected) or damping_mode == "exact"
+  sizes = ((block.layout.a, block.layout.b)
+           if isinstance(block, B.KroneckerBlock) else None)
   return _cost.kronecker(factors, m, eigenbasis=eigen,
                          reduce=getattr(block, "weight_sharing", None)
                          == "reduce",
                          embedding=isinstance(block, B.KroneckerEmbedding),
-                         **common)
+                         sizes=sizes, **common)
 
 
 def loss_lines(tagged):
@@ -363,9 +372,54 @@ def plan_for(tagged, batch, *, budget: float = _plan.DEFAULT_BUDGET,
   m = tagged.examples.size or 1
   stats_m = _fraction.stats_batch_size(batch, stats_fraction, "kfl.kfac",
                                        tagged.examples) or m
-  table = rows(tagged, dict(
+  pricing = dict(
       m=m, stats_m=stats_m, inverse_every=1, cov_every=1,
       c=_cost.INVERSE_COSTS[method], own_forward=True,
-      backward=estimation != "empirical_shared", damping_mode=damping_mode))
-  return _plan.plan([r["flops"] for r in table], budget=budget,
-                    cov_every=cov_every, inverse_every=inverse_every)
+      backward=estimation != "empirical_shared", damping_mode=damping_mode)
+  plan = _plan.plan([r["flops"] for r in rows(tagged, pricing)],
+                    budget=budget, cov_every=cov_every,
+                    inverse_every=inverse_every)
+  if plan.met or plan.floor is None:
+    return plan
+  return plan._replace(partition=_partition(tagged, pricing, plan))
+
+
+def _partition(tagged, pricing, plan):
+  """``Plan.partition`` of a plan whose floor is over its budget: the
+  largest ``side_block`` of ``_plan.PARTITIONS`` whose floor leaves the
+  statistics and refresh their share (``_plan.MIN_SHARE`` of the budget's
+  overhead), else the lowest floor below the plan's; None if no side would
+  be partitioned."""
+  target = plan.budget - _plan.MIN_SHARE * (plan.budget - 1)
+  best = None
+  for side_block in _plan.PARTITIONS:
+    alt, kinds = _partitioned(tagged, side_block)
+    if not kinds:
+      continue
+    floor = _plan.floor([r["flops"] for r in rows(alt, pricing)])
+    if floor is None or floor >= plan.floor:
+      continue
+    if floor <= target:
+      return side_block, kinds, floor
+    if best is None or floor < best[2]:
+      best = side_block, kinds, floor
+  return best
+
+
+def _partitioned(tagged, side_block):
+  """``(tagged with its whole-sided Kronecker blocks partitioned by
+  side_block, the layer kinds whose sides that splits)``."""
+  layers, kinds = [], []
+  for l in tagged.layers:
+    block = l.block
+    inner = B.as_block(block).one_slice
+    if isinstance(inner, B.KroneckerBlock) and inner.side_block is None:
+      # Every Kronecker block is a dataclass (dense, conv, embedding).
+      new = dataclasses.replace(typing.cast(Any, inner),
+                                side_block=side_block)
+      if new.input_parts > 1 or new.output_parts > 1:
+        kinds += [l.kind] if l.kind not in kinds else []
+        block = B.Stacked(new, block.n) if isinstance(block, B.Stacked) \
+            else new
+    layers.append(dataclasses.replace(l, block=block))
+  return tagged.replace(layers=tuple(layers)), tuple(kinds)

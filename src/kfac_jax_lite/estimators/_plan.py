@@ -59,6 +59,12 @@ class Plan(NamedTuple):
       10 (the fixed defaults before the plan).
     floor: the price of the preconditioning alone (``1 + P / W``).
     planned: the names of the options the plan chose (the others given).
+    partition: where the floor is over the budget, ``(side_block, kinds,
+      floor)``: the Kronecker blocks of those layer kinds partitioned by
+      ``side_block`` (``blocks={kind: {"side_block": ...}}``) would bring
+      the floor to ``floor`` (the largest of ``PARTITIONS`` whose floor
+      leaves the statistics and refresh their share, else the one with
+      the lowest floor); None otherwise (``plan_for`` sets it).
   """
 
   cov_every: int
@@ -68,6 +74,7 @@ class Plan(NamedTuple):
   every_step: float | None
   floor: float | None
   planned: tuple
+  partition: tuple | None = None
 
   @property
   def met(self) -> bool:
@@ -94,9 +101,27 @@ class Plan(NamedTuple):
     verdict = "" if self.met else (
         f"; the budget is NOT met: the preconditioning alone costs "
         f"{self.floor:.2f}x every step")
+    if not self.met and self.partition is not None:
+      side_block, kinds, floor = self.partition
+      option = ", ".join(f"{k!r}: {{'side_block': {side_block}}}"
+                         for k in kinds)
+      verdict += (f"; blocks={{{option}}} partitions the factor sides: "
+                  f"floor {floor:.2f}x")
     return (f"{what} ({how}: ~{self.price:.2f}x an SGD step; every-step "
             f"statistics ~{self.every_step:.2f}x; floor {self.floor:.2f}x"
             f"{verdict})")
+
+
+PARTITIONS = (512, 256, 128)
+"""The ``side_block`` values a plan over its budget suggests
+(``Plan.partition``), largest first."""
+
+
+def floor(flops) -> float | None:
+  """The price of the preconditioning alone, ``1 + P / W`` (None without an
+  SGD share)."""
+  w, _, p, _ = _parts(flops)
+  return 1 + p / w if w else None
 
 
 def _parts(flops):

@@ -145,6 +145,10 @@ def _check_block(name, block):
       raise ValueError(f"kfl.laplace: layer {name!r} has a Kronecker block "
                        f"with damping_mode={block.damping_mode!r}; the "
                        "posterior needs 'exact'")
+    if block.input_parts > 1 or block.output_parts > 1:
+      raise ValueError(f"kfl.laplace: layer {name!r} has a partitioned "
+                       f"factor side (side_block={block.side_block}); the "
+                       "posterior's spectrum takes whole or diagonal sides")
   elif not isinstance(block, kfl_blocks.FlatBlock):
     raise ValueError(f"kfl.laplace: layer {name!r} has a block of type "
                      f"{type(block).__name__}, which the posterior does not "

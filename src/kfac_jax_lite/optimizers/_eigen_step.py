@@ -61,8 +61,19 @@ class Step(NamedTuple):
 
 
 def rotated(tagged):
-  """The layers of ``tagged`` (a detection) that run Adam in a basis."""
-  return [l for l in tagged.layers if is_rotated(l)]
+  """The layers of ``tagged`` (a detection) that run Adam in a basis;
+  ``ValueError`` for one whose block partitions a side (``side_block``:
+  the eigenbasis rotations here take whole or diagonal sides)."""
+  layers = [l for l in tagged.layers if is_rotated(l)]
+  for l in layers:
+    block = inner_block(l.block)
+    if block.input_parts > 1 or block.output_parts > 1:
+      raise ValueError(
+          f"eigen_adam: layer {l.name!r} has a partitioned factor side "
+          f"(side_block={block.side_block}); eigen_adam rotates by whole "
+          "or diagonal sides: leave side_block out of its blocks= (or use "
+          "max_dense_side)")
+  return layers
 
 
 def adam(a, g, m, v, count_inc):
