@@ -172,7 +172,10 @@ def optax_families(loss_fn, params, example_batch, seed=0):
                    est_options=()):
     def candidate(s):
       est = {k: v for k, v in s.items() if k in est_options}
-      return optax_candidate(name, s, cov_style(style, s.get("cov_every")),
+      # Unset, cov_every is the transform's default: kfl.kfac's None (the
+      # plan), kfl.kfac_optimizer's ("1-pass+batch=") 1.
+      every = s.get("cov_every", 1 if style == "1-pass+batch=" else None)
+      return optax_candidate(name, s, cov_style(style, every),
                              lambda: make_tx(**s), loss_fn, params,
                              example_batch, seed, est)
     return Family(fid, name, grid, candidate, note)

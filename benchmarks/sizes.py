@@ -99,6 +99,10 @@ def main():
   ap.add_argument("--max-dense-side", type=int, default=None,
                   help="the size policy's limit for the dense and "
                   "embedding layers (default: kfl.blocks.MAX_DENSE_SIDE)")
+  ap.add_argument("--kfac-lrs", default="0.01,0.03",
+                  help="K-FAC + SGD learning rates (comma-separated)")
+  ap.add_argument("--adamw-lrs", default="1e-3,3e-4",
+                  help="AdamW learning rates (comma-separated)")
   ap.add_argument("--kfac-only", action="store_true",
                   help="train only the K-FAC runs (no AdamW reference)")
   args = ap.parse_args()
@@ -167,10 +171,10 @@ def main():
   kfac = lambda lr: lambda: optax.chain(
       kfl.kfac(loss_fn, example, blocks=blocks), optax.sgd(lr, momentum=0.9))
   runs = [] if args.kfac_only else [
-      run("adamw lr 1e-3", lambda: optax.adamw(1e-3), False),
-      run("adamw lr 3e-4", lambda: optax.adamw(3e-4), False)]
-  runs += [run("kfac + sgd lr 0.01 (defaults)", kfac(0.01), True),
-           run("kfac + sgd lr 0.03 (defaults)", kfac(0.03), True)]
+      run(f"adamw lr {lr}", lambda lr=lr: optax.adamw(float(lr)), False)
+      for lr in args.adamw_lrs.split(",")]
+  runs += [run(f"kfac + sgd lr {lr} (defaults)", kfac(float(lr)), True)
+           for lr in args.kfac_lrs.split(",")]
   ref = runs[0]  # AdamW lr 1e-3, or the first K-FAC run with --kfac-only.
   print()
   print(f"| run | first step | x {ref['label']} | mean step | x "
@@ -180,7 +184,8 @@ def main():
     print(f"| {r['label']} | {r['first']:.1f} s | "
           f"{r['first'] / ref['first']:.2f}x | {r['mean']:.3f} s | "
           f"{r['mean'] / ref['mean']:.2f}x | {r['loss']:.4f} |")
-  footer(sizes, pbytes, t_describe, runs[-2]["state"])
+  footer(sizes, pbytes, t_describe,
+         next(r for r in runs if r["label"].startswith("kfac"))["state"])
 
 
 if __name__ == "__main__":
