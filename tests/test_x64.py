@@ -192,51 +192,37 @@ def test_kfac_update_matches_brute_force_in_float64(loss_name, estimation,
             got_layer[k], want_layer[k]))
 
 
+@pytest.mark.parametrize("options,shapes", [
+    ({"max_dense_side": 4}, [((1, 5, 5), (1, 5)), ((1, 6), (1, 3, 3))]),
+    ({"side_block": 2}, [((1, 2, 3, 3), (1, 3, 2, 2)),
+                         ((1, 3, 2, 2), (1, 2, 2, 2))]),
+], ids=["size_policy", "partitioned"])
 @pytest.mark.parametrize("damping_mode", ["pi", "exact"])
-def test_size_policy_update_matches_brute_force_in_float64(damping_mode):
-  """The size policy through ``kfl.kfac``: with ``max_dense_side=4``
-  layer 0's output side of 5 and layer 1's input side (5 inputs and the
-  bias) keep only their diagonals, while layer 0's input side (4 inputs
-  and the bias: the bias's row is not counted) and layer 1's output side
-  of 3 stay dense; the update is the brute-force damped inverse of
-  ``A ⊗ diag(G)`` and ``diag(A) ⊗ G`` built from per-example Jacobians, in
-  both damping modes."""
-  with x64_mode(True):
-    params, batch = params64(), batch64()
-    loss_fn, update = _update_fn("classifier", "exact", damping_mode, 4)
-    grads = jax.grad(loss_fn)(params, batch)
-    updates, state = update(params, batch)
-    shapes = [tuple(s.cov.shape for s in b) for b in state.blocks.values()]
-    assert sorted(shapes) == [((1, 5, 5), (1, 5)), ((1, 6), (1, 3, 3))], shapes
-    want = brute_update(params, grads, batch, "exact", damping_mode,
-                        max_dense_side=4)
-    for got_layer, want_layer in zip(updates, want):
-      for k in ("w", "b"):
-        assert rel_err(got_layer[k], want_layer[k]) < RTOL, (k, rel_err(
-            got_layer[k], want_layer[k]))
-
-
-@pytest.mark.parametrize("damping_mode", ["pi", "exact"])
-def test_partitioned_sides_update_matches_brute_force_in_float64(
-    damping_mode):
-  """Partitioned sides through ``kfl.kfac`` (``side_block=2``): layer 0's
+def test_block_policies_update_matches_brute_force_in_float64(
+    options, shapes, damping_mode):
+  """The size policy and partitioned sides through ``kfl.kfac``, in both
+  damping modes; the update is the brute-force damped inverse built from
+  per-example Jacobians with the same sides. ``max_dense_side=4``: layer
+  0's output side of 5 and layer 1's input side (5 inputs and the bias)
+  keep only their diagonals, while layer 0's input side (4 inputs and the
+  bias: the bias's row is not counted) and layer 1's output side of 3 stay
+  dense (``A ⊗ diag(G)`` and ``diag(A) ⊗ G``). ``side_block=2``: layer 0's
   input side (4 inputs and the bias) in 2 blocks of 3 (one padded row),
   its output side of 5 in 3 blocks of 2 (one padded); layer 1's input side
-  (5 and the bias) in 3 blocks of 2, its output side of 3 in 2 blocks of 2;
-  the update is the brute-force damped inverse of the block-diagonal parts
-  of ``A`` and ``G`` from per-example Jacobians, the π trace over the real
-  rows, in both damping modes."""
+  (5 and the bias) in 3 blocks of 2, its output side of 3 in 2 blocks of
+  2: the block-diagonal parts of ``A`` and ``G``, the π trace over the
+  real rows."""
   with x64_mode(True):
     params, batch = params64(), batch64()
     loss_fn, update = _update_fn("classifier", "exact", damping_mode,
-                                 side_block=2)
+                                 **options)
     grads = jax.grad(loss_fn)(params, batch)
     updates, state = update(params, batch)
-    shapes = [tuple(s.cov.shape for s in b) for b in state.blocks.values()]
-    assert sorted(shapes) == [((1, 2, 3, 3), (1, 3, 2, 2)),
-                              ((1, 3, 2, 2), (1, 2, 2, 2))], shapes
+    got_shapes = [tuple(s.cov.shape for s in b)
+                  for b in state.blocks.values()]
+    assert sorted(got_shapes) == shapes, got_shapes
     want = brute_update(params, grads, batch, "exact", damping_mode,
-                        side_block=2)
+                        **options)
     for got_layer, want_layer in zip(updates, want):
       for k in ("w", "b"):
         assert rel_err(got_layer[k], want_layer[k]) < RTOL, (k, rel_err(
