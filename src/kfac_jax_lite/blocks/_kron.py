@@ -81,8 +81,8 @@ def _by_blocks(fn, m, v):
 def left(m, v, form):
   """``m @ v`` for a factor's matrix ``m`` (``form``: ``"dense"`` [g, a, a],
   ``"diagonal"`` [g, a], ``"blocks"`` [g, p, k, k] with ``v`` padded to
-  ``p·k`` rows), ``v [g, a, b]``. A bool ``form`` says diagonal or dense."""
-  if form is True or form == "diagonal":
+  ``p·k`` rows), ``v [g, a, b]``."""
+  if form == "diagonal":
     return m[..., :, None] * v
   if form == "blocks":
     return _by_blocks(jnp.matmul, m, v)
@@ -93,7 +93,7 @@ def right(v, m, form):
   """``v @ m`` for a factor's matrix ``m`` [g, b(, b)] (``form`` as
   ``left``; ``"blocks"``: ``m [g, q, l, l]``, ``v`` padded to ``q·l``
   columns)."""
-  if form is True or form == "diagonal":
+  if form == "diagonal":
     return v * m[..., None, :]
   if form == "blocks":
     return _t(_by_blocks(jnp.matmul, _t(m), _t(v)))
