@@ -65,3 +65,21 @@ def sum_of_squares(grads, c=None):
   """``Σ_n c_n mean_s grad_sn²``."""
   c, _ = weights_of(c, grads.shape[1])
   return np.einsum("n,snp->p", c, grads ** 2) / grads.shape[0]
+
+
+def block_diagonal(m, parts):
+  """``m [n, n]`` with only its ``parts`` diagonal blocks of ``⌈n/parts⌉``
+  rows kept (the last one shorter): a partitioned factor side
+  (``side_block``) as a dense matrix."""
+  n = m.shape[0]
+  which = np.arange(n) // -(-n // parts)
+  return m * (which[:, None] == which[None, :])
+
+
+def partitioned(m, features, side_block):
+  """``m`` as a side partitioned by ``side_block``: its ``⌈features /
+  side_block⌉`` diagonal blocks (``block_diagonal``), ``features`` the side
+  counted as the policy counts it (an input side without the bias's row);
+  ``m`` whole where ``features <= side_block``."""
+  parts = -(-features // side_block) if features > side_block else 1
+  return block_diagonal(m, parts)

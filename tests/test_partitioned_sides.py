@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import kfac_jax_lite as kfl
+from _brute import block_diagonal, partitioned
 from _helpers import rand, x64_mode
 from kfac_jax_lite import blocks as B
 
@@ -58,13 +59,6 @@ def _blocks_of(dense_side, parts):
   padded[:n, :n] = dense_side
   return np.stack([padded[i * k:(i + 1) * k, i * k:(i + 1) * k]
                    for i in range(parts)])
-
-
-def _block_diagonal(dense_side, parts):
-  """``dense_side`` with only its ``parts`` diagonal blocks kept."""
-  n = dense_side.shape[0]
-  which = np.arange(n) // -(-n // parts)
-  return dense_side * (which[:, None] == which[None, :])
 
 
 def _flat(v):
@@ -110,7 +104,7 @@ def test_a_partitioned_side_is_exactly_the_dense_sides_diagonal_blocks(
       whole = np.asarray(whole[0])
       want = _blocks_of(whole, p) if p > 1 else whole
       np.testing.assert_allclose(got[0], want, rtol=1e-13, atol=1e-14)
-      sides.append(whole if whole.ndim == 1 else _block_diagonal(whole, p))
+      sides.append(whole if whole.ndim == 1 else block_diagonal(whole, p))
     assert tuple(f.cov.shape for f in state) == tuple(
         tuple(s) for s in small.factor_shapes)
     # to_dense: the whole-side block's, of the block-diagonal parts.
@@ -195,9 +189,8 @@ def _brute_update(params, batch, side_block):
     big_a = a_bar.T @ a_bar / n
     big_g = (d * n).T @ (d * n) / n       # Σ_i c_i g_i g_iᵀ, g_i of ℓ_i.
     features, b = inp.shape[1], d.shape[1]
-    pa = -(-features // side_block) if features > side_block else 1
-    pg = -(-b // side_block) if b > side_block else 1
-    big_a, big_g = _block_diagonal(big_a, pa), _block_diagonal(big_g, pg)
+    big_a = partitioned(big_a, features, side_block)
+    big_g = partitioned(big_g, b, side_block)
     grad = a_bar.T @ d
     pi = np.sqrt((np.trace(big_a) / len(big_a)) / (np.trace(big_g) / b))
     damped_a = big_a + pi * np.sqrt(LAM) * np.eye(len(big_a))

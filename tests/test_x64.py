@@ -16,6 +16,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import kfac_jax_lite as kfl
+from _brute import partitioned
 from _helpers import block_stats, x64_mode
 from kfac_jax_lite.losses import distributions as dists
 
@@ -110,22 +111,12 @@ def brute_factors(params, batch, mode):
   return out
 
 
-def block_mask(m, features, side_block):
-  """``m`` with only its ``p = ⌈features / side_block⌉`` diagonal blocks of
-  ``⌈n / p⌉`` rows kept (a partitioned side; ``features`` the side counted
-  as the policy counts it, without the bias's row)."""
-  n = m.shape[0]
-  parts = -(-features // side_block) if features > side_block else 1
-  which = np.arange(n) // -(-n // parts)
-  return m * (which[:, None] == which[None, :])
-
-
 def brute_update(params, grads, batch, mode, damping_mode,
                  max_dense_side=None, side_block=None):
   """The K-FAC update from ``brute_factors``; a side larger than
   ``max_dense_side`` keeps only its diagonal (the size policy; the input
   side counted without the bias's row), one larger than ``side_block``
-  only its diagonal blocks (``block_mask``)."""
+  only its diagonal blocks (``_brute.partitioned``)."""
   updates = []
   for (big_a, big_g), g in zip(brute_factors(params, batch, mode), grads):
     v = np.concatenate([np.asarray(g["w"]), np.asarray(g["b"])[None]], 0)
@@ -134,8 +125,8 @@ def brute_update(params, grads, batch, mode, damping_mode,
       big_a = np.diag(np.diag(big_a)) if a - 1 > max_dense_side else big_a
       big_g = np.diag(np.diag(big_g)) if b > max_dense_side else big_g
     if side_block is not None:
-      big_a = block_mask(big_a, a - 1, side_block)
-      big_g = block_mask(big_g, b, side_block)
+      big_a = partitioned(big_a, a - 1, side_block)
+      big_g = partitioned(big_g, b, side_block)
     if damping_mode == "exact":
       curv = np.kron(big_a, big_g) + LAM * np.eye(a * b)
     else:

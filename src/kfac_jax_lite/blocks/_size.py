@@ -48,6 +48,12 @@ def partitions(side: int, side_block: int | None) -> int:
   return -(-side // side_block)
 
 
+def block_side(n: int, parts: int) -> int:
+  """The side ``k = ⌈n / parts⌉`` of each of a partitioned side's blocks
+  (``n`` with the bias's row; the side padded to ``parts·k``)."""
+  return -(-n // parts)
+
+
 def check_side_block(side_block, where):
   """``ValueError`` (naming ``where``) unless ``side_block`` is an int of
   at least 2 or None."""

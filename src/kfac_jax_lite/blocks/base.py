@@ -60,8 +60,8 @@ from kfac_jax_lite.blocks import _kron
 from kfac_jax_lite import factor as fac
 from kfac_jax_lite.blocks import _layout
 from kfac_jax_lite.blocks._size import (
-    beyond_limit, check_max_dense_side, check_side_block, partitions,
-    state_bytes)
+    beyond_limit, block_side, check_max_dense_side, check_side_block,
+    partitions, state_bytes)
 
 ACTIVATIONS = "activations"
 """``Block.consumes`` of a block that reads the layer's inputs and output
@@ -395,7 +395,7 @@ class KroneckerBlock(Block):
   def init(self, dtype=jnp.float32) -> _kron.KroneckerState:
     g = self.layout.groups
     cache = _kron.cache_kind(self.damping_mode)
-    a, b = (fac.init_factor(-(-n // parts), diagonal=diagonal,
+    a, b = (fac.init_factor(block_side(n, parts), diagonal=diagonal,
                             batch_shape=(g,) if parts == 1 else (g, parts),
                             dtype=dtype, cache=cache)
             for n, diagonal, parts in self._sides())
@@ -457,5 +457,5 @@ def _side_shape(groups, n, diagonal, parts):
     return (groups, n)
   if parts == 1:
     return (groups, n, n)
-  k = -(-n // parts)
+  k = block_side(n, parts)
   return (groups, parts, k, k)

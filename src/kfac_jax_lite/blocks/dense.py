@@ -75,7 +75,7 @@ def _second_moment(x, y, diagonal, parts=1):
   if parts == 1:
     return base.gram(x, y)
   n = x.shape[-1]
-  k = -(-n // parts)
+  k = _size.block_side(n, parts)
   split = lambda z: jnp.pad(z.reshape(-1, n), ((0, 0), (0, parts * k - n))
                             ).reshape(-1, parts, k)
   return jnp.einsum("mpi,mpj->pij", split(x), split(y))

@@ -157,8 +157,9 @@ def size_note(block, stack=None):
            ("G", lay.b, block.output_diagonal, block.output_parts))
   for name, n, diagonal, p in sides:
     if p > 1:
-      parts.append(f"{name} partitioned: side {n} in {p} blocks of "
-                   f"{-(-n // p)} (side_block={block.side_block})")
+      k = block.factor_shapes[0 if name == "A" else 1][-1]
+      parts.append(f"{name} partitioned: side {n} in {p} blocks of {k} "
+                   f"(side_block={block.side_block})")
     if diagonal and block.max_dense_side is not None:
       dense = 2 * 4 * lay.groups * n * n * (stack or 1)
       parts.append(f"{name} diagonal: side {n} > max_dense_side="
