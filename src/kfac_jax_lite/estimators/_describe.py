@@ -377,12 +377,24 @@ def plan_for(tagged, batch, *, budget: float = _plan.DEFAULT_BUDGET,
       m=m, stats_m=stats_m, inverse_every=1, cov_every=1,
       c=_cost.INVERSE_COSTS[method], own_forward=True,
       backward=estimation != "empirical_shared", damping_mode=damping_mode)
-  plan = _plan.plan([r["flops"] for r in rows(tagged, pricing)],
-                    budget=budget, cov_every=cov_every,
-                    inverse_every=inverse_every)
+  plan = _plan.plan(_flops(tagged, pricing), budget=budget,
+                    cov_every=cov_every, inverse_every=inverse_every)
   if plan.met or plan.floor is None:
     return plan
   return plan._replace(partition=_partition(tagged, pricing, plan))
+
+
+def _flops(tagged, pricing):
+  """The ``_cost.Flops`` of each of ``tagged``'s blocks priced with
+  ``pricing`` (``rows``' without the rest of a row: no state bytes, no
+  notes)."""
+  out = []
+  for l in tagged.layers:
+    block = B.as_block(l.block).one_slice
+    row = dict(kind=l.kind, stack=l.stack, positions=tagged.positions(l),
+               factors=tuple(tuple(s) for s in block.factor_shapes))
+    out.append(block_flops(row, l, block, **pricing))
+  return out
 
 
 def _partition(tagged, pricing, plan):
@@ -397,7 +409,7 @@ def _partition(tagged, pricing, plan):
     alt, kinds = _partitioned(tagged, side_block)
     if not kinds:
       continue
-    floor = _plan.floor([r["flops"] for r in rows(alt, pricing)])
+    floor = _plan.floor(_flops(alt, pricing))
     if floor is None or floor >= plan.floor:
       continue
     if floor <= target:
