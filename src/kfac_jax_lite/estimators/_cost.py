@@ -32,8 +32,9 @@ other kinds, with ``g`` groups (a grouped convolution's blocks) counted as
   ``2·n·a·b`` and ``c·n³``.
 * A side partitioned into ``p`` diagonal blocks of ``k`` (``side_block``;
   ``n = p·k`` with its padding): statistics ``2·m·P·n·k``, precondition
-  ``2·n·k·a·b`` of the side's ``2·n·a·b·n``-priced product, refresh
-  ``c·p·k³`` instead of ``2·m·P·n²``, ``2·n²·b`` and ``c·n³``.
+  ``2·k·a·b`` (``a``, ``b`` the padded sides), refresh ``c·p·k³``
+  instead of ``2·m·P·n²``, ``2·n·a·b`` and ``c·n³``; the SGD share and
+  the forward keep the layer's real sizes.
 * More square factors (the series blocks' two pairs) are each priced as a
   covariance, a product with the gradient and an inverse; an EK-FAC
   block's scaling ``[a, b]`` adds ``2·m·P·(a² + b² + a·b)`` to the
