@@ -57,13 +57,15 @@ from kfac_jax_lite.factor import _lapack
 from kfac_jax_lite.factor import _packing
 from kfac_jax_lite.factor._dtypes import float_dtype as float_dtype
 from kfac_jax_lite.factor._packing import pack as pack
+from kfac_jax_lite.factor._packing import sum_scalars as sum_scalars
 from kfac_jax_lite.factor._lapack import sequential_on_cpu as sequential_on_cpu
 from kfac_jax_lite.factor._lapack import solve_triangular as solve_triangular
 
 __all__ = [
     "AUTO_DEFAULT", "AUTO_METHODS", "CACHE_KINDS", "FactorCache",
-    "FactorState", "INVERSES", "INVERSE_METHODS", "all_finite", "cache_kind",
-    "float_dtype", "pack", "sequential_on_cpu", "solve_triangular",
+    "FactorState", "INVERSES", "INVERSE_METHODS", "all_finite",
+    "batched_inverses", "cache_kind", "float_dtype", "pack",
+    "sequential_on_cpu", "solve_triangular", "sum_scalars",
     "check_inverse_method", "damped_cholesky", "damped_matpower", "eigh",
     "factor_value", "init_factor", "is_diagonal", "multiply",
     "multiply_inverse", "multiply_matpower", "refresh_cache", "update_cov",
@@ -147,7 +149,11 @@ def cache_kind(state: FactorState) -> str:
 
 
 def check_inverse_method(method: str, where: str = "inverse_method") -> str:
-  """``method`` resolved for the default backend (``"auto"``), or an error."""
+  """``method`` resolved for the default backend (``"auto"``), or an error
+  (the ``method`` that ``batched_inverses`` hands its function passes as
+  it is)."""
+  if isinstance(method, _Batch):
+    return method  # type: ignore[return-value]
   if method not in INVERSE_METHODS:
     raise ValueError(f"{where} must be one of {INVERSE_METHODS}, got {method!r}")
   if method == "auto":
@@ -312,8 +318,68 @@ backend, ``AUTO_METHODS``) and the keys of ``INVERSES``."""
 
 def _damped_inverse(c: Array, damping, inverse_method: str, warm=None):
   """``((C + d·I)⁻¹, ok)`` by ``inverse_method`` (resolved, a key of
-  ``INVERSES``); ``ok`` a scalar bool."""
+  ``INVERSES``, or a ``batched_inverses`` batch); ``ok`` a scalar bool."""
+  if isinstance(inverse_method, _Batch):
+    return inverse_method.inverse(c, damping, warm)
   return INVERSES[inverse_method](c, damping, warm)
+
+
+class _Batch:
+  """The ``method`` ``batched_inverses`` hands its function: resolved
+  ``method`` for every inverse but Gauss–Jordan's, which it records in
+  the first pass (answering zeros) and answers from ``results`` in the
+  second, in the order they were asked for."""
+
+  def __init__(self, method: str):
+    self.method, self.matrices, self.results = method, [], None
+
+  def inverse(self, c, damping, warm):
+    if self.method != "gauss_jordan":
+      return INVERSES[self.method](c, damping, warm)
+    if self.results is None:
+      self.matrices.append(_damped(c, damping))
+      return jnp.zeros_like(c), jnp.ones((), bool)
+    if not self.results:
+      raise RuntimeError("batched_inverses: the second pass asked for more "
+                         "inverses than the first")
+    inv, ok = self.results.pop(0)
+    if inv.shape != c.shape or inv.dtype != c.dtype:
+      raise RuntimeError(
+          f"batched_inverses: the second pass asked for a {c.dtype} "
+          f"{c.shape} inverse where the first asked for {inv.dtype} "
+          f"{inv.shape}: the function must ask for the same inverses in "
+          f"the same order each time")
+    return inv, ok
+
+
+def batched_inverses(fn, method: str = "auto"):
+  """``fn(method)``, with the damped Gauss–Jordan inverses it asks for
+  computed together: one sweep per padded size for all of them.
+
+  ``fn`` takes the ``method`` to give to ``refresh_cache`` (and the
+  blocks' ``refresh``) in place of ``method``, and is called twice: first
+  to collect the damped matrices ``C + d·I`` it would invert by
+  ``"gauss_jordan"`` (answered with zeros; that pass's results are
+  dropped, and XLA drops the work only they use), then, after
+  ``_inverse.gauss_jordan_inverses`` has inverted them all at once, to
+  build its result with those inverses, the same numbers as one at a
+  time. Other methods run as they are, in the second pass. ``fn`` must
+  ask for the same inverses in the same order each time, and must not
+  call ``refresh_cache`` under a ``vmap`` or a loop of its own (the
+  matrices recorded there would not exist outside it).
+
+  Why: XLA inlines each call of the sweep, so a model's dozens of equal
+  factors were dozens of copies of its loop in the compiled update (on a
+  12-block transformer the refresh was half of the update's compile).
+  """
+  batch = _Batch(check_inverse_method(method))
+  fn(batch)
+  batch.results = _inverse.gauss_jordan_inverses(batch.matrices)
+  out = fn(batch)
+  if batch.results:
+    raise RuntimeError("batched_inverses: the second pass asked for fewer "
+                       "inverses than the first")
+  return out
 
 
 def damped_cholesky(state: FactorState, damping) -> Array:

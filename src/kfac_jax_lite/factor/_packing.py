@@ -12,6 +12,18 @@ groups stay small). The grouping depends only on the sizes, so the same
 shapes pack the same way (``pack(u)`` and ``pack(g)`` pair up).
 ``all_finite`` is the finiteness verdict built on it (``factor`` exports
 it; ``_inverse`` checks its results with it).
+
+``sum_scalars`` adds the per-leaf scalars of such a reduction as one reduction
+that stays one. Summed in Python (``sum``, ``optax.tree_utils.tree_vdot``)
+they are a chain of scalar additions, and XLA fuses that chain into every
+elementwise consumer of the total, once per consumer: a verdict or a
+scale applied to each of a model's ``n`` leaves then costs ``n²``
+instructions (on a 6-block transformer, 9k of the update's 84k and about
+a tenth of its compile). Stacked and summed with ``jnp.sum`` they are
+split back into that chain (XLA rewrites a sum over a concatenation as a
+sum per operand), so ``sum_scalars`` sums them as a cumulative sum (a
+``reduce_window``, which XLA neither splits nor duplicates into
+consumers) and takes its last entry.
 """
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ import jax.numpy as jnp
 
 SMALL = 1 << 14
 GROUP = 1 << 16
+CHAIN = 4  # sum_scalars adds this many or fewer as a chain (cheap copies).
 
 
 def pack(arrays):
@@ -69,7 +82,23 @@ def all_finite(tree):
   # Packed in their own dtype (a cast first could overflow a finite value),
   # subtracted after the packing (XLA splits a sum over a concatenation of
   # differences back into one sum per operand).
-  total = sum((jnp.sum((p - p).astype(jnp.float32))
-               for xs in by_dtype.values() for p in pack(xs)),
-              jnp.zeros((), jnp.float32))
+  total = sum_scalars([jnp.sum((p - p).astype(jnp.float32))
+                      for xs in by_dtype.values() for p in pack(xs)],
+                     jnp.float32)
   return functools.reduce(jnp.logical_and, parts, jnp.isfinite(total))
+
+
+def sum_scalars(scalars, dtype=None):
+  """The sum of ``scalars`` (0-d arrays; cast to ``dtype`` when given, else
+  to their common dtype) as one reduction that XLA keeps one (module
+  docstring): the last entry of their cumulative sum (the order of the
+  additions is XLA's), or for at most ``CHAIN`` of them their chain (its
+  copies cost less than the cumulative sum). 0 (of ``dtype``, float32 if
+  None) for none."""
+  scalars = [jnp.asarray(x) if dtype is None else jnp.asarray(x, dtype)
+             for x in scalars]
+  if not scalars:
+    return jnp.zeros((), dtype or jnp.float32)
+  if len(scalars) <= CHAIN:
+    return functools.reduce(jnp.add, scalars)
+  return jnp.cumsum(jnp.stack(scalars))[-1]

@@ -10,15 +10,18 @@ import jax.numpy as jnp
 import optax
 
 from kfac_jax_lite import estimators
-from kfac_jax_lite.factor import float_dtype
+from kfac_jax_lite.factor import float_dtype, sum_scalars
 
 
 def tree_dot(a, b):
-  """``⟨a, b⟩`` over all leaves (``optax.tree_utils.tree_vdot``), in the
-  wider of their dtypes (at least float32)."""
+  """``⟨a, b⟩`` over all leaves (``optax.tree_utils.tree_vdot`` per leaf,
+  added by ``factor.sum_scalars``), in the wider of their dtypes (at least
+  float32)."""
   dtype = float_dtype((a, b))
-  cast = lambda t: jax.tree.map(lambda x: x.astype(dtype), t)
-  return optax.tree_utils.tree_vdot(cast(a), cast(b))
+  return sum_scalars([optax.tree_utils.tree_vdot(x.astype(dtype),
+                                                 y.astype(dtype))
+                      for x, y in zip(jax.tree.leaves(a),
+                                      jax.tree.leaves(b))], dtype)
 
 
 def curvature_forms(tagged, params, batch, directions, curvature):

@@ -17,10 +17,13 @@ from kfac_jax_lite import factor as fac
 
 def inner_product(updates, grad_leaves, dtype):
   """``⟨u, g⟩`` over all leaves, in ``dtype`` (the small leaves packed
-  into few kernels, ``_packing``, then ``optax.tree_utils.tree_vdot``)."""
+  into few kernels, ``factor.pack``; one ``optax.tree_utils.tree_vdot``
+  per packed array, added by ``factor.sum_scalars``, so that the scale
+  made of it is not recomputed in every leaf's kernel)."""
   us = _factor.pack([u.astype(dtype) for u in updates])
   gs = _factor.pack([g.astype(dtype) for g in grad_leaves])
-  return jnp.asarray(optax.tree_utils.tree_vdot(us, gs), dtype)
+  return _factor.sum_scalars(
+      [optax.tree_utils.tree_vdot(u, g) for u, g in zip(us, gs)], dtype)
 
 
 def clip(updates, grad_leaves, norm_constraint, dtype):

@@ -153,23 +153,27 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
   With a good damping (``damping_ok``), block ``i`` is refreshed when
   ``due`` (a refresh step, ``is_refresh_step``) or while it is not ready (no
   decomposition of real statistics yet), as soon as its factors have
-  statistics; ``step`` is recorded in the caches. One ``lax.cond`` gates the work of all blocks, and it
-  returns only the caches (``FactorCache``s), not the covariances: a step
-  without a refresh then moves no curvature data through a conditional.
-  Under ``axis_name`` each device refreshes only its share (block ``i`` on
-  device ``i mod n``) and the caches are shared with a ``psum``.
+  statistics; ``step`` is recorded in the caches. One ``lax.cond`` gates
+  the work of all blocks, and it returns only the caches (``FactorCache``s),
+  not the covariances: a step without a refresh then moves no curvature
+  data through a conditional. The Kronecker blocks' Gauss–Jordan inverses
+  are computed together, one sweep per padded size
+  (``factor.batched_inverses``): the compiled program then holds one copy
+  of the sweep per size, not one per factor. Under ``axis_name`` each
+  device refreshes only its share (block ``i`` on device ``i mod n``) and
+  the caches are shared with a ``psum``.
   """
   needs = refresh_needs(layers, states, damping_ok, due)
   if not layers:
     return states
 
-  def run(states):
+  def refreshed(states, batch):
     out = {}
     for i, (l, need) in enumerate(zip(layers, needs)):
       st, block = states[l.name], _block(l)
-      fn = functools.partial(block.refresh_caches, damping=damping,
-                             exp=precon_power, step=step,
-                             method=inverse_method)
+      fn = functools.partial(
+          block.refresh_caches, damping=damping, exp=precon_power, step=step,
+          method=batch if _batches(block) else inverse_method)
       if axis_name is None:
         new = fn(st)
       else:  # Refreshed on its owner, then shared.
@@ -181,6 +185,12 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
                                  block.caches(st))
     return out
 
+  def run(states):
+    if axis_name is not None:  # Each device inverts only its own share.
+      return refreshed(states, inverse_method)
+    return fac.batched_inverses(functools.partial(refreshed, states),
+                                inverse_method)
+
   def keep(states):
     return {l.name: _block(l).caches(states[l.name]) for l in layers}
 
@@ -189,6 +199,15 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
   return {name: (blocks[name].with_caches(st, caches[name])
                  if name in caches else st)
           for name, st in states.items()}
+
+
+def _batches(block):
+  """Whether ``refresh`` lets ``block``'s inverses join the batch
+  (``factor.batched_inverses``): the library's Kronecker blocks, whose
+  refresh inverts each factor once, outside any ``vmap`` or loop. A
+  ``Stacked`` block maps its refresh over its slices (its inverses are
+  batched already), and other blocks are left to their own refresh."""
+  return isinstance(block, blocks_base.KroneckerBlock)
 
 
 def precondition(layers, states, grad_leaves, damping, precon_power):
