@@ -15,9 +15,10 @@ with its stages replaced one after the other by the identity (the refresh,
 then the preconditioning, then the accumulation of the statistics: the
 names ``kfac_jax_lite.optimizers.transform`` calls them by), so the
 differences price each stage's program. Last, the factor inversions of
-the refresh alone (``kfl.factor.INVERSES["gauss_jordan"]`` of
-identity matrices of the factors' sizes), one call per factor against one
-``lax.map`` per padded size (the factors of a size stacked). Prints
+the refresh alone (damped inverses by ``"gauss_jordan"`` of factors of the
+autoencoder's sizes), one call per factor against all of them through
+``kfl.factor.batched_inverses`` (stacked by padded size, as the refresh
+computes them). Prints
 seconds of tracing and lowering, of XLA's compile, and the compiled
 program's text size and its fusions (XLA:CPU compiles one kernel for
 identical fusions; a guide to the program's size, not a price: distinct
@@ -185,34 +186,28 @@ def stage_rows(kfac_step):
 
 
 def inversion_rows(dims):
-  """The refresh's inversions alone: per factor, and grouped by padded size."""
-  import jax
+  """The refresh's inversions alone: one call per factor, and all of them
+  through ``kfl.factor.batched_inverses`` (stacked by padded size, as the
+  refresh computes them)."""
   import jax.numpy as jnp
   sizes = [d + 1 for d in dims[:-1]] + list(dims[1:])  # A (with bias), G.
-  invert = kfl.factor.INVERSES["gauss_jordan"]  # ((C + d·I)⁻¹, ok).
-  mats = [2.0 * jnp.eye(n) for n in sizes]
+  fac = kfl.factor
+  states = [fac.update_cov(fac.init_factor(n), 2.0 * jnp.eye(n), 0.9)
+            for n in sizes]
   block = 64
   padded = lambda n: max(1, -(-n // block)) * block
 
-  def separate(ms):
-    return [invert(m, 0.0)[0] for m in ms]
+  def inverses(method):
+    return [fac.damped_matpower(s, 0.1, -1.0, method=method) for s in states]
 
-  def grouped(ms):
-    out = [None] * len(ms)
-    groups = {}
-    for i, n in enumerate(sizes):
-      groups.setdefault(padded(n), []).append(i)
-    for size, idx in groups.items():
-      stack = jnp.stack([jnp.pad(ms[i], [(0, size - sizes[i])] * 2)
-                         + jnp.diag(jnp.arange(size) >= sizes[i]).astype(
-                             ms[i].dtype) for i in idx])
-      inv = jax.lax.map(lambda a: invert(a, 0.0)[0], stack)
-      for j, i in enumerate(idx):
-        out[i] = inv[j, :sizes[i], :sizes[i]]
-    return out
-  return [(f"{len(sizes)} inversions, one call each", separate, (mats,)),
-          (f"  grouped by padded size ({len({padded(n) for n in sizes})} "
-           "lax.maps)", grouped, (mats,))]
+  def separate(_):
+    return inverses("gauss_jordan")
+
+  def together(_):
+    return fac.batched_inverses(inverses, "gauss_jordan")
+  return [(f"{len(sizes)} inversions, one call each", separate, (0.0,)),
+          (f"  together ({len({padded(n) for n in sizes})} padded sizes, "
+           "factor.batched_inverses)", together, (0.0,))]
 
 
 def main(argv=None):
