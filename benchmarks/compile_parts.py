@@ -206,8 +206,8 @@ def inversion_rows(dims):
   def together(_):
     return fac.batched_inverses(inverses, "gauss_jordan")
   return [(f"{len(sizes)} inversions, one call each", separate, (0.0,)),
-          (f"  together ({len({padded(n) for n in sizes})} padded sizes, "
-           "factor.batched_inverses)", together, (0.0,))]
+          (f"  together ({len({padded(n) for n in sizes})} padded sizes)",
+           together, (0.0,))]
 
 
 def main(argv=None):
