@@ -331,7 +331,9 @@ class _Batch:
   second, in the order they were asked for."""
 
   def __init__(self, method: str):
-    self.method, self.matrices, self.results = method, [], None
+    self.method = method
+    self.matrices: list[Array] = []
+    self.results: list[tuple[Array, Array]] | None = None
 
   def inverse(self, c, damping, warm):
     if self.method != "gauss_jordan":

@@ -251,7 +251,7 @@ def gauss_jordan_inverses(ms, block_size: int = BLOCK_SIZE):
   for (size, _), members in groups.items():
     parts = min(STACKS, len(members))
     chunks += [(size, members[j::parts]) for j in range(parts)]
-  out = [None] * len(ms)
+  out: list = [None] * len(ms)
   for size, members in chunks:
     flat = [_pad(ms[i], block_size).reshape(-1, size, size) for i in members]
     neg_inv, low = _negated_padded(jnp.concatenate(flat), block_size)
