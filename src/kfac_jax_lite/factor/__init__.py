@@ -356,7 +356,8 @@ class _Batch:
 
 def batched_inverses(fn, method: str = "auto"):
   """``fn(method)``, with the damped Gauss–Jordan inverses it asks for
-  computed together: one sweep per padded size for all of them.
+  computed together: one sweep per stack of a padded size (two stacks a
+  size, ``_inverse.gauss_jordan_inverses``).
 
   ``fn`` takes the ``method`` to give to ``refresh_cache`` (and the
   blocks' ``refresh``) in place of ``method``, and is called twice: first
@@ -365,7 +366,8 @@ def batched_inverses(fn, method: str = "auto"):
   dropped, and XLA drops the work only they use), then, after
   ``_inverse.gauss_jordan_inverses`` has inverted them all at once, to
   build its result with those inverses, the same numbers as one at a
-  time. Other methods run as they are, in the second pass. ``fn`` must
+  time. Other methods run as they are (what the first pass computes with
+  them is dropped the same way). ``fn`` must
   ask for the same inverses in the same order each time, and must not
   call ``refresh_cache`` under a ``vmap`` or a loop of its own (the
   matrices recorded there would not exist outside it).

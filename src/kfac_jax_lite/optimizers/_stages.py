@@ -157,9 +157,9 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
   the work of all blocks, and it returns only the caches (``FactorCache``s),
   not the covariances: a step without a refresh then moves no curvature
   data through a conditional. The Kronecker blocks' Gauss–Jordan inverses
-  are computed together, one sweep per padded size
-  (``factor.batched_inverses``): the compiled program then holds one copy
-  of the sweep per size, not one per factor. Under ``axis_name`` each
+  are computed together, stacked by padded size
+  (``factor.batched_inverses``): the compiled program then holds a copy of
+  the sweep per stack (two per size), not one per factor. Under ``axis_name`` each
   device refreshes only its share (block ``i`` on device ``i mod n``) and
   the caches are shared with a ``psum``.
   """
