@@ -192,3 +192,67 @@ def test_the_compiled_update_does_not_copy_work_per_equal_layer():
   adds = {d: len(re.findall(r"= f32\[\] add\(", t))
           for d, t in programs.items()}
   assert adds[8] <= 3 * adds[2], adds
+
+
+def test_a_refresh_with_side_effects_runs_once_per_refresh():
+  """``batched_inverses`` traces the refreshes that join it twice, so only
+  the library's own Kronecker refresh joins: a subclass that overrides
+  ``refresh`` (here to call back to the host) and a duck-typed block are
+  refreshed once per refresh step, and the plain blocks beside them still
+  join (their caches equal the unbatched refresh's)."""
+  import dataclasses
+  calls = []
+
+  def counted(name, step):
+    jax.debug.callback(lambda s: calls.append((name, int(s))), step)
+
+  @dataclasses.dataclass(frozen=True)
+  class CountingDense(kfl.blocks.KroneckerDense):
+    def refresh(self, state, damping, exp=-1.0, step=0, method="auto"):
+      counted("subclass", step)
+      return super().refresh(state, damping, exp, step, method)
+
+  @dataclasses.dataclass(frozen=True)
+  class Counting:
+    inner: object
+
+    def __getattr__(self, attr):
+      return getattr(self.inner, attr)
+
+    def refresh(self, state, damping, exp=-1.0, step=0, **kwargs):
+      counted("duck", step)
+      return self.inner.refresh(state, damping, exp, step, **kwargs)
+
+  def override(layer):
+    if layer.name.startswith("0/"):
+      return CountingDense(**{f.name: getattr(layer.block, f.name)
+                              for f in dataclasses.fields(layer.block)})
+    return Counting(layer.block) if layer.name.startswith("1/") else layer.block
+
+  params = [{"w": jax.random.normal(jax.random.PRNGKey(i), (6, 6)) / 3,
+             "b": jnp.zeros(6)} for i in range(3)]
+  batch = {"x": jax.random.normal(jax.random.PRNGKey(9), (8, 6)),
+           "y": jnp.arange(8) % 6}
+
+  def loss_fn(p, b):
+    h = b["x"]
+    for layer in p:
+      h = jnp.tanh(h @ layer["w"] + layer["b"])
+    return optax.softmax_cross_entropy_with_integer_labels(h, b["y"]).mean()
+
+  grads = jax.grad(loss_fn)(params, batch)
+  for blocks in ({"dense": override}, None):
+    tx = kfl.kfac(loss_fn, batch, blocks=blocks,
+                  inverse_method="gauss_jordan")
+    state = tx.init(params)
+    update = jax.jit(lambda g, s: tx.update(g, s, params, batch=batch))
+    for _ in range(2):  # The first refresh, then the young one.
+      _, state = update(grads, state)
+    jax.effects_barrier()
+    if blocks is not None:
+      counted_state = state
+  assert sorted(calls) == [("duck", 0), ("duck", 1), ("subclass", 0),
+                           ("subclass", 1)], calls
+  leaves = jax.tree.leaves(counted_state.blocks)
+  for a, b in zip(leaves, jax.tree.leaves(state.blocks)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

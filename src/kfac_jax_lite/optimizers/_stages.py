@@ -167,29 +167,38 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
   if not layers:
     return states
 
-  def refreshed(states, batch):
+  need_of = {l.name: need for l, need in zip(layers, needs)}
+  index_of = {l.name: i for i, l in enumerate(layers)}
+
+  def refreshed(subset, states, method):
     out = {}
-    for i, (l, need) in enumerate(zip(layers, needs)):
+    for l in subset:
       st, block = states[l.name], _block(l)
-      fn = functools.partial(
-          block.refresh_caches, damping=damping, exp=precon_power, step=step,
-          method=batch if _batches(block) else inverse_method)
+      fn = functools.partial(block.refresh_caches, damping=damping,
+                             exp=precon_power, step=step, method=method)
       if axis_name is None:
         new = fn(st)
       else:  # Refreshed on its owner, then shared.
-        mine = _owner_mask(i, axis_name)
+        mine = _owner_mask(index_of[l.name], axis_name)
         new = jax.lax.cond(mine, fn, block.caches, st)
         new = jax.tree.map(lambda x: jax.lax.psum(
             jnp.where(mine, x, jnp.zeros_like(x)), axis_name), new)
+      need = need_of[l.name]
       out[l.name] = jax.tree.map(lambda n, o: jnp.where(need, n, o), new,
                                  block.caches(st))
     return out
 
   def run(states):
     if axis_name is not None:  # Each device inverts only its own share.
-      return refreshed(states, inverse_method)
-    return fac.batched_inverses(functools.partial(refreshed, states),
-                                inverse_method)
+      return refreshed(layers, states, inverse_method)
+    joining = [l for l in layers if _batches(_block(l))]
+    names = {l.name for l in joining}
+    out = refreshed([l for l in layers if l.name not in names], states,
+                    inverse_method)
+    if joining:  # Traced twice (factor.batched_inverses).
+      out.update(fac.batched_inverses(
+          functools.partial(refreshed, joining, states), inverse_method))
+    return out
 
   def keep(states):
     return {l.name: _block(l).caches(states[l.name]) for l in layers}
@@ -203,11 +212,17 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
 
 def _batches(block):
   """Whether ``refresh`` lets ``block``'s inverses join the batch
-  (``factor.batched_inverses``): the library's Kronecker blocks, whose
-  refresh inverts each factor once, outside any ``vmap`` or loop. A
-  ``Stacked`` block maps its refresh over its slices (its inverses are
-  batched already), and other blocks are left to their own refresh."""
-  return isinstance(block, blocks_base.KroneckerBlock)
+  (``factor.batched_inverses``, which traces their refresh twice): the
+  library's Kronecker blocks with the library's own refresh, which
+  inverts each factor once, outside any ``vmap`` or loop, and does
+  nothing else. A subclass that overrides the refresh (it may call back
+  to the host, say), a ``Stacked`` block (it maps its refresh over its
+  slices: their inverses are batched already) and the other blocks are
+  left to their own refresh, traced once."""
+  kind = type(block)
+  return (isinstance(block, blocks_base.KroneckerBlock)
+          and kind.refresh is blocks_base.KroneckerBlock.refresh
+          and kind.refresh_caches is blocks_base.Block.refresh_caches)
 
 
 def precondition(layers, states, grad_leaves, damping, precon_power):
