@@ -152,7 +152,7 @@ def check_inverse_method(method: str, where: str = "inverse_method") -> str:
   """``method`` resolved for the default backend (``"auto"``), or an error
   (the ``method`` that ``batched_inverses`` hands its function passes as
   it is)."""
-  if isinstance(method, _Batch):
+  if isinstance(method, _inverse.Batch):
     return method  # type: ignore[return-value]
   if method not in INVERSE_METHODS:
     raise ValueError(f"{where} must be one of {INVERSE_METHODS}, got {method!r}")
@@ -319,39 +319,11 @@ backend, ``AUTO_METHODS``) and the keys of ``INVERSES``."""
 def _damped_inverse(c: Array, damping, inverse_method: str, warm=None):
   """``((C + d·I)⁻¹, ok)`` by ``inverse_method`` (resolved, a key of
   ``INVERSES``, or a ``batched_inverses`` batch); ``ok`` a scalar bool."""
-  if isinstance(inverse_method, _Batch):
-    return inverse_method.inverse(c, damping, warm)
+  if isinstance(inverse_method, _inverse.Batch):
+    if inverse_method.method == "gauss_jordan":
+      return inverse_method.inverse(_damped(c, damping))
+    inverse_method = inverse_method.method
   return INVERSES[inverse_method](c, damping, warm)
-
-
-class _Batch:
-  """The ``method`` ``batched_inverses`` hands its function: resolved
-  ``method`` for every inverse but Gauss–Jordan's, which it records in
-  the first pass (answering zeros) and answers from ``results`` in the
-  second, in the order they were asked for."""
-
-  def __init__(self, method: str):
-    self.method = method
-    self.matrices: list[Array] = []
-    self.results: list[tuple[Array, Array]] | None = None
-
-  def inverse(self, c, damping, warm):
-    if self.method != "gauss_jordan":
-      return INVERSES[self.method](c, damping, warm)
-    if self.results is None:
-      self.matrices.append(_damped(c, damping))
-      return jnp.zeros_like(c), jnp.ones((), bool)
-    if not self.results:
-      raise RuntimeError("batched_inverses: the second pass asked for more "
-                         "inverses than the first")
-    inv, ok = self.results.pop(0)
-    if inv.shape != c.shape or inv.dtype != c.dtype:
-      raise RuntimeError(
-          f"batched_inverses: the second pass asked for a {c.dtype} "
-          f"{c.shape} inverse where the first asked for {inv.dtype} "
-          f"{inv.shape}: the function must ask for the same inverses in "
-          f"the same order each time")
-    return inv, ok
 
 
 def batched_inverses(fn, method: str = "auto"):
@@ -376,9 +348,9 @@ def batched_inverses(fn, method: str = "auto"):
   factors were dozens of copies of its loop in the compiled update (on a
   12-block transformer the refresh was half of the update's compile).
   """
-  batch = _Batch(check_inverse_method(method))
+  batch = _inverse.Batch(check_inverse_method(method))
   fn(batch)
-  batch.results = _inverse.gauss_jordan_inverses(batch.matrices)
+  batch.compute()
   out = fn(batch)
   if batch.results:
     raise RuntimeError("batched_inverses: the second pass asked for fewer "

@@ -112,6 +112,12 @@ def _leaf_inverse(p):
   return lax.fori_loop(0, n, step, init)
 
 
+def _padded_size(n, block_size):
+  """The side ``_pad`` gives an ``n``-wide matrix: a multiple of
+  ``block_size``, one block at least."""
+  return max(1, -(-n // block_size)) * block_size
+
+
 def _pad(m, block_size):
   """``m`` padded to a multiple of ``block_size`` with an identity block.
 
@@ -124,7 +130,7 @@ def _pad(m, block_size):
   (the sweep's own, on its pivot blocks) instead of one per size.
   """
   n = m.shape[-1]
-  size = max(1, -(-n // block_size)) * block_size
+  size = _padded_size(n, block_size)
   if size == n:
     return m
   pad = [(0, 0)] * (m.ndim - 2) + [(0, size - n), (0, size - n)]
@@ -245,7 +251,7 @@ def gauss_jordan_inverses(ms, block_size: int = BLOCK_SIZE):
   """
   groups = {}
   for i, m in enumerate(ms):
-    size = max(1, -(-m.shape[-1] // block_size)) * block_size
+    size = _padded_size(m.shape[-1], block_size)
     groups.setdefault((size, jnp.dtype(m.dtype)), []).append(i)
   chunks = []
   for (size, _), members in groups.items():
@@ -264,6 +270,41 @@ def gauss_jordan_inverses(ms, block_size: int = BLOCK_SIZE):
       out[i] = inv, jnp.all(ok[start:stop])
       start = stop
   return out
+
+
+class Batch:
+  """The ``method`` ``factor.batched_inverses`` hands its function. Its
+  ``method`` (resolved) runs every inverse but Gauss–Jordan's; those it
+  records in the first pass (``inverse`` of the damped matrix answers
+  zeros) and answers in the second from ``results``
+  (``gauss_jordan_inverses`` of the recorded ones), in the order they
+  were asked for."""
+
+  def __init__(self, method: str):
+    self.method = method
+    self.matrices: list[jax.Array] = []
+    self.results: list[tuple[jax.Array, jax.Array]] | None = None
+
+  def inverse(self, m):
+    """``(m⁻¹, ok)`` for a damped matrix ``m``, as the pass requires."""
+    if self.results is None:
+      self.matrices.append(m)
+      return jnp.zeros_like(m), jnp.ones((), bool)
+    if not self.results:
+      raise RuntimeError("batched_inverses: the second pass asked for more "
+                         "inverses than the first")
+    inv, ok = self.results.pop(0)
+    if inv.shape != m.shape or inv.dtype != m.dtype:
+      raise RuntimeError(
+          f"batched_inverses: the second pass asked for a {m.dtype} "
+          f"{m.shape} inverse where the first asked for {inv.dtype} "
+          f"{inv.shape}: the function must ask for the same inverses in "
+          f"the same order each time")
+    return inv, ok
+
+  def compute(self):
+    """Inverts the recorded matrices together, for the second pass."""
+    self.results = gauss_jordan_inverses(self.matrices)
 
 
 @functools.partial(jax.jit, static_argnames="block_size")
