@@ -100,8 +100,12 @@ def test_refreshes_through_one_batch_equal_their_own(x64):
       np.testing.assert_allclose(t.cache.matpower, a.cache.matpower,
                                  rtol=0, atol=tol * scale)
       assert int(t.cache.step) == 3 and int(t.cache.num_failed) == 0
-    # "cholesky" and the other methods are not batched: the same result.
-    chol = jax.jit(lambda: fac.batched_inverses(fn, "cholesky"))()
+    # "cholesky" and the other methods are not batched: the same result,
+    # from one call of fn.
+    calls = []
+    counted = lambda method: (calls.append(method), fn(method))[1]
+    chol = jax.jit(lambda: fac.batched_inverses(counted, "cholesky"))()
+    assert calls == ["cholesky"]
     for t, a in zip(chol, jax.jit(lambda: fn("cholesky"))()):
       np.testing.assert_array_equal(t.cache.matpower, a.cache.matpower)
 

@@ -319,10 +319,8 @@ backend, ``AUTO_METHODS``) and the keys of ``INVERSES``."""
 def _damped_inverse(c: Array, damping, inverse_method: str, warm=None):
   """``((C + d·I)⁻¹, ok)`` by ``inverse_method`` (resolved, a key of
   ``INVERSES``, or a ``batched_inverses`` batch); ``ok`` a scalar bool."""
-  if isinstance(inverse_method, _inverse.Batch):
-    if inverse_method.method == "gauss_jordan":
-      return inverse_method.inverse(_damped(c, damping))
-    inverse_method = inverse_method.method
+  if isinstance(inverse_method, _inverse.Batch):  # Gauss–Jordan, batched.
+    return inverse_method.inverse(_damped(c, damping))
   return INVERSES[inverse_method](c, damping, warm)
 
 
@@ -338,8 +336,8 @@ def batched_inverses(fn, method: str = "auto"):
   dropped, and XLA drops the work only they use), then, after
   ``_inverse.gauss_jordan_inverses`` has inverted them all at once, to
   build its result with those inverses, the same numbers as one at a
-  time. Other methods run as they are (what the first pass computes with
-  them is dropped the same way). ``fn`` must
+  time. With another ``method`` (the other backends' ``"auto"``) ``fn``
+  is called once, with it. ``fn`` must
   ask for the same inverses in the same order each time, and must not
   call ``refresh_cache`` under a ``vmap`` or a loop of its own (the
   matrices recorded there would not exist outside it).
@@ -348,7 +346,10 @@ def batched_inverses(fn, method: str = "auto"):
   factors were dozens of copies of its loop in the compiled update (on a
   12-block transformer the refresh was half of the update's compile).
   """
-  batch = _inverse.Batch(check_inverse_method(method))
+  method = check_inverse_method(method)
+  if method != "gauss_jordan":  # Nothing to batch: one pass.
+    return fn(method)
+  batch = _inverse.Batch()
   fn(batch)
   batch.compute()
   out = fn(batch)

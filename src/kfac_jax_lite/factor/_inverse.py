@@ -273,15 +273,13 @@ def gauss_jordan_inverses(ms, block_size: int = BLOCK_SIZE):
 
 
 class Batch:
-  """The ``method`` ``factor.batched_inverses`` hands its function. Its
-  ``method`` (resolved) runs every inverse but Gauss–Jordan's; those it
-  records in the first pass (``inverse`` of the damped matrix answers
-  zeros) and answers in the second from ``results``
-  (``gauss_jordan_inverses`` of the recorded ones), in the order they
-  were asked for."""
+  """The ``method`` ``factor.batched_inverses`` hands its function in
+  place of ``"gauss_jordan"``: it records the damped matrices of the first
+  pass (``inverse`` answers zeros) and answers the second pass from
+  ``results`` (``gauss_jordan_inverses`` of the recorded ones), in the
+  order they were asked for."""
 
-  def __init__(self, method: str):
-    self.method = method
+  def __init__(self):
     self.matrices: list[jax.Array] = []
     self.results: list[tuple[jax.Array, jax.Array]] | None = None
 

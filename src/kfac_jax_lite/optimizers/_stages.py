@@ -159,9 +159,9 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
   data through a conditional. The Kronecker blocks' Gauss–Jordan inverses
   are computed together, stacked by padded size
   (``factor.batched_inverses``): the compiled program then holds a copy of
-  the sweep per stack (two per size), not one per factor. Under ``axis_name`` each
-  device refreshes only its share (block ``i`` on device ``i mod n``) and
-  the caches are shared with a ``psum``.
+  the sweep per stack (two per size), not one per factor. Under
+  ``axis_name`` each device refreshes only its share (block ``i`` on
+  device ``i mod n``) and the caches are shared with a ``psum``.
   """
   needs = refresh_needs(layers, states, damping_ok, due)
   if not layers:
