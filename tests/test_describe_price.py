@@ -205,8 +205,16 @@ def test_price_defaults_are_kfacs():
   desc = inspect.signature(kfl.describe).parameters
   assert _describe._plan.DEFAULT_BUDGET == pre.budget
   for name in ("inverse_every", "inverse_method", "stats_fraction",
-               "cov_every", "damping_mode", "weight_sharing", "budget"):
+               "cov_every", "damping_mode", "weight_sharing"):
     assert desc[name].default == kfac[name].default, name
+  # describe's budget None is the default of the optimizer it prices:
+  # kfl.kfac's, or (model_fraction given) kfl.kfac_optimizer's None.
+  assert desc["budget"].default is None
+  assert inspect.signature(kfl.kfac_optimizer).parameters[
+      "budget"].default is None
+  params, batch = _dense_problem()
+  plan = kfl.describe(_dense_loss, params, batch).plan
+  assert plan.budget == kfac["budget"].default
 
 
 def test_guide_explains_the_price_line():

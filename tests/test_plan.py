@@ -183,6 +183,81 @@ def test_an_unmeetable_budget_is_said():
   assert plan.price <= plan.floor + _plan.MIN_SHARE * 0.3 + 1e-9
 
 
+def _optimizer_plan_by_hand(parts, fraction, budget=None):
+  """kfl.kfac_optimizer's plan by hand: its quadratic model ``Q = 2·f·W``
+  (a linearised forward with two tangents, ``5·W/3``, and ρ's forward,
+  ``W/3``, on the share ``f``) in every price and in the floor; budget
+  None: the floor plus 0.3; the overhead the statistics and refresh get
+  at least ``MIN_SHARE·(budget − 1 − Q/W)``."""
+  w, s, p, r = parts
+  q = 2 * fraction * w
+  price = lambda k, t: 1 + (q + s / k + p + r / t) / w
+  floor = 1 + (q + p) / w
+  budget = floor + 0.3 if budget is None else budget
+  target = max(budget, floor + _plan.MIN_SHARE * (budget - 1 - q / w))
+  order = [(k, t) for t in TS for k in KS if k <= t]
+  fits = [pair for pair in order if price(*pair) <= target]
+  pair = fits[0] if fits else max(order, key=lambda kt: (kt[1], kt[0]))
+  return pair, price(*pair), floor, budget, q / w
+
+
+@pytest.mark.parametrize("fraction,budget", [(1.0, None), (0.25, None),
+                                             (0.5, 4.0), (1.0, 3.5),
+                                             (1.0, 2.0)])
+def test_optimizer_plan_against_a_hand_count(fraction, budget):
+  params, batch = _mlp()
+  plan = kfl.describe(_mlp_loss, params, batch, model_fraction=fraction,
+                      budget=budget).plan
+  parts = _dense_parts(64, [(21, 30), (31, 5)])
+  pair, price, floor, want_budget, model = _optimizer_plan_by_hand(
+      parts, fraction, budget)
+  assert (plan.cov_every, plan.inverse_every) == pair
+  assert plan.price == pytest.approx(price)
+  assert plan.floor == pytest.approx(floor)
+  assert plan.budget == pytest.approx(want_budget)
+  assert plan.model == pytest.approx(model)
+  line = plan.line
+  assert f"quadratic model {model:.2f}x every step" in line
+  assert plan.met == (price <= want_budget + 1e-9)
+  assert ("NOT met: the quadratic model and the preconditioning" in line) \
+      == (not plan.met)
+  assert f"for budget {want_budget:.3g}" in line
+  # kfl.kfac's plan of the same model prices no quadratic model.
+  assert kfl.describe(_mlp_loss, params, batch).plan.model is None
+
+
+def test_optimizer_plans_when_asked_and_follows_its_plan():
+  """kfl.kfac_optimizer keeps statistics every step and a refresh every 10
+  by default; with both intervals None it plans them (budget None: its
+  every-step work plus 0.3), and its statistics come every K updates."""
+  params, batch = _mlp()
+  plan = kfl.describe(_mlp_loss, params, batch, model_fraction=1.0).plan
+  k, t = plan.cov_every, plan.inverse_every
+  assert k > 1, plan.line  # Else the test below tests nothing.
+  by_default = kfl.kfac_optimizer(_mlp_loss, batch)
+  planned = kfl.kfac_optimizer(_mlp_loss, batch, cov_every=None,
+                               inverse_every=None)
+  grads = jax.grad(_mlp_loss)(params, batch)
+  for opt, want_k in ((by_default, 1), (planned, k)):
+    update = jax.jit(lambda s, opt=opt: opt.update(grads, s, params,
+                                                   batch=batch)[1])
+    state = opt.init(params)
+    due = []
+    for _ in range(2 * want_k + 1):
+      due.append(bool(kfl.stats_due(state)))
+      state = update(state)
+    young = lambda i: 0 < i < want_k and i & (i - 1) == 0
+    assert due == [i % want_k == 0 or young(i)
+                   for i in range(2 * want_k + 1)], (want_k, due)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.5])
+def test_describe_refuses_a_bad_model_fraction(fraction):
+  params, batch = _mlp()
+  with pytest.raises(ValueError, match="model_fraction"):
+    kfl.describe(_mlp_loss, params, batch, model_fraction=fraction)
+
+
 @pytest.mark.parametrize("budget", [1.0, 0.5, "2", True])
 def test_a_bad_budget_is_refused(budget):
   _, batch = _mlp()

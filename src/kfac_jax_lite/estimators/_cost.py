@@ -244,6 +244,27 @@ def dense_layers(dims, m, *, fraction=1.0, inverse_every=math.inf, c=1.0,
           for d_in, b in zip(dims[:-1], dims[1:])]
 
 
+QUADRATIC_MODEL_PASSES = 2.0
+"""``kfl.kfac_optimizer``'s quadratic model per step, in SGD steps of the
+share of the batch it sees (``quadratic_model``)."""
+
+
+def quadratic_model(sgd: float, fraction: float = 1.0) -> float:
+  """The FLOPs of ``kfl.kfac_optimizer``'s every-step work beyond the
+  gradient and the preconditioning, for layers whose SGD share is ``sgd``
+  and a quadratic model on the share ``fraction`` of the batch
+  (``model_fraction``): a linearised forward pass (the primal, ``F``, and
+  the two directions' tangents, ``2·2F``: each tangent of ``x·W`` is
+  ``dx·W + x·dW``) and the loss at the new parameters (``F``, for ρ), with
+  ``F = sgd/3`` the forward pass: ``6F = 2·sgd`` per unit of
+  ``fraction``. The loss weights' forward pass repeats the linearised
+  one's primal, which XLA computes once (common subexpressions). On the
+  MNIST autoencoder (batch 1000) the step of ``fraction=1`` took 1.48
+  SGD steps more than that of ``1/4`` per unit of ``fraction``
+  (``benchmarks/model_fraction_step.py``), under the 2 priced here."""
+  return QUADRATIC_MODEL_PASSES * fraction * sgd
+
+
 def ratio(flops) -> float | None:
   """K-FAC's step over SGD's, summed over the blocks (None without an SGD
   share)."""

@@ -280,7 +280,8 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
              cov_every: int | None = COV_EVERY,
              inverse_method: str = INVERSE_METHOD,
              style: str = "1-pass",
-             budget: float = _plan.DEFAULT_BUDGET) -> Table:
+             budget: float | None = None,
+             model_fraction: float | None = None) -> Table:
   """The curvature blocks of ``loss_fn``'s layers, as rows.
 
   ``has_aux``/``exclude``/``example_axis`` are those of ``find_layers``
@@ -312,14 +313,20 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   and ``kfl.kfac``'s settings of the same names and defaults:
   ``inverse_every`` (``T``), ``stats_fraction`` (``f``), ``cov_every``
   (the statistics' share of a step ``1/K``; None for both: as
-  ``kfl.kfac`` plans them for ``budget``, shown on the plan line:
+  ``kfl.kfac`` plans them for ``budget``, its 1.3 when None, shown on the plan line:
   ``Table.plan``, ``plan_for``), ``inverse_method`` (``c`` of
   ``c·n³``: ``_cost.INVERSE_COSTS``, 2 for Gauss–Jordan, 7/3 Cholesky, 10
   eigh; ``"auto"`` as resolved on this backend); ``style``: ``"1-pass"``
   (the statistics share the gradient's forward pass:
   ``kfl.value_grad_and_stats``, ``stats=``) or ``"2-pass"`` (``batch=``:
   their own forward pass, as a 1-pass estimate with ``stats_fraction <
-  1`` also takes)."""
+  1`` also takes).
+
+  ``model_fraction``: plan and price ``kfl.kfac_optimizer``'s step instead
+  (its ``model_fraction``, 1 for its default): its quadratic model on that
+  share of the batch is paid every step (``_cost.quadratic_model``), and
+  ``budget`` None (its default) is its floor plus 0.3 SGD steps for the
+  statistics and the refresh (``_plan``)."""
   tagged = tagging.find_layers(loss_fn, params, batch, has_aux=has_aux,
                        exclude=exclude, example_axis=example_axis)
   if estimation is not None:
@@ -337,10 +344,15 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
                                        "describe", tagged.examples) or m
   own = style == "2-pass" or stats_m < m
   c = _cost.INVERSE_COSTS[method]
+  if model_fraction is not None and not 0 < model_fraction <= 1:
+    raise ValueError(f"describe: model_fraction must be in (0, 1] "
+                     f"(kfl.kfac_optimizer's), got {model_fraction!r}")
+  if budget is None and model_fraction is None:
+    budget = _plan.DEFAULT_BUDGET  # kfl.kfac's.
   plan = plan_for(tagged, batch, budget=budget, cov_every=cov_every,
                   inverse_every=inverse_every, stats_fraction=stats_fraction,
                   estimation=estimation, inverse_method=inverse_method,
-                  damping_mode=damping_mode)
+                  damping_mode=damping_mode, model_fraction=model_fraction)
   inverse_every, cov_every = plan.inverse_every, plan.cov_every
   table = rows(tagged, dict(
       m=m, stats_m=stats_m, inverse_every=inverse_every, cov_every=cov_every,
@@ -357,18 +369,22 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   return table
 
 
-def plan_for(tagged, batch, *, budget: float = _plan.DEFAULT_BUDGET,
+def plan_for(tagged, batch, *, budget: float | None = _plan.DEFAULT_BUDGET,
              cov_every: int | None = None, inverse_every: int | None = None,
              stats_fraction: float = STATS_FRACTION,
              estimation: str | None = None,
              inverse_method: str = INVERSE_METHOD,
-             damping_mode: str = "pi") -> _plan.Plan:
+             damping_mode: str = "pi",
+             model_fraction: float | None = None) -> _plan.Plan:
   """``kfl.kfac``'s plan (``_plan``) for ``tagged`` (a ``TaggedLoss`` with
   its blocks) at ``batch``'s size: the blocks priced at ``K = T = 1`` in
   the dearer step style (the statistics with their own forward pass), then
   ``_plan.plan``. ``cov_every``/``inverse_every`` given are kept; the
   other arguments are ``kfl.kfac``'s of the same names (``estimation``
-  None: ``"fisher"``)."""
+  None: ``"fisher"``). ``model_fraction``: ``kfl.kfac_optimizer``'s plan
+  instead, its quadratic model on that share of the batch priced every
+  step (``_cost.quadratic_model``); ``budget`` None: its floor plus
+  ``DEFAULT_BUDGET − 1`` (``_plan.plan``)."""
   method = fac.check_inverse_method(inverse_method)
   m = tagged.examples.size or 1
   stats_m = _fraction.stats_batch_size(batch, stats_fraction, "kfl.kfac",
@@ -378,10 +394,12 @@ def plan_for(tagged, batch, *, budget: float = _plan.DEFAULT_BUDGET,
       c=_cost.INVERSE_COSTS[method], own_forward=True,
       backward=estimation != "empirical_shared", damping_mode=damping_mode)
   plan = _plan.plan(_flops(tagged, pricing), budget=budget,
-                    cov_every=cov_every, inverse_every=inverse_every)
+                    cov_every=cov_every, inverse_every=inverse_every,
+                    model_fraction=model_fraction)
   if plan.met or plan.floor is None:
     return plan
-  return plan._replace(partition=_partition(tagged, pricing, plan))
+  return plan._replace(partition=_partition(tagged, pricing, plan,
+                                            model_fraction))
 
 
 def _flops(tagged, pricing):
@@ -397,19 +415,20 @@ def _flops(tagged, pricing):
   return out
 
 
-def _partition(tagged, pricing, plan):
+def _partition(tagged, pricing, plan, model_fraction=None):
   """``Plan.partition`` of a plan whose floor is over its budget: the
   largest ``side_block`` of ``_plan.PARTITIONS`` whose floor leaves the
   statistics and refresh their share (``_plan.MIN_SHARE`` of the budget's
   overhead), else the lowest floor below the plan's; None if no side would
   be partitioned."""
-  target = plan.budget - _plan.MIN_SHARE * (plan.budget - 1)
+  target = plan.budget - _plan.MIN_SHARE * (plan.budget - 1
+                                            - (plan.model or 0.0))
   best = None
   for side_block in _plan.PARTITIONS:
     alt, kinds = _partitioned(tagged, side_block)
     if not kinds:
       continue
-    floor = _plan.floor(_flops(alt, pricing))
+    floor = _plan.floor(_flops(alt, pricing), model_fraction)
     if floor is None or floor >= plan.floor:
       continue
     if floor <= target:

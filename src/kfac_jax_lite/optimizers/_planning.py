@@ -27,9 +27,11 @@ def planned(cfg, params):
       preconditioner=p._replace(inverse_every=chosen.inverse_every))
 
 
-def plan_of(layers, example_batch, curvature, preconditioner):
+def plan_of(layers, example_batch, curvature, preconditioner,
+            model_fraction=None):
   """``plan(params)``: ``estimators.plan_for`` the detection of
-  ``params`` at the example batch, once per detection."""
+  ``params`` at the example batch, once per detection (``model_fraction``:
+  ``kfl.kfac_optimizer``'s plan, its quadratic model on that share)."""
   c, p = curvature, preconditioner
   cache: dict = {}
 
@@ -40,7 +42,7 @@ def plan_of(layers, example_batch, curvature, preconditioner):
           tagged, example_batch, budget=p.budget, cov_every=c.cov_every,
           inverse_every=p.inverse_every, stats_fraction=c.stats_fraction,
           estimation=c.estimation, inverse_method=p.inverse_method,
-          damping_mode=p.damping_mode)
+          damping_mode=p.damping_mode, model_fraction=model_fraction)
     return cache[tagged]
   return plan
 

@@ -142,6 +142,9 @@ class PreconditionerOptions(NamedTuple):
       (``kfl.describe``'s plan line gives the choice, the price, the
       every-step price and the floor: the preconditioning, paid every step).
       A larger budget buys statistics every step back; given intervals win.
+      None (``kfl.kfac_optimizer``'s default): the floor plus 0.3, the
+      statistics and the refresh priced on top of the work paid every step
+      (for ``kfac_optimizer``, its quadratic model too).
     damping_mode: ``"pi"`` (factored Tikhonov: ``A + π√λ I`` and
       ``G + √λ/π I``, ``π = √((tr A/dim A)/(tr G/dim G))``; the cache holds
       the damped inverses) or ``"exact"`` (``(A⊗G + λI)^p`` through the
@@ -181,7 +184,7 @@ class PreconditionerOptions(NamedTuple):
 
   damping: float | optax.Schedule = DEFAULT_DAMPING
   inverse_every: int | None = None
-  budget: float = estimators.DEFAULT_BUDGET
+  budget: float | None = estimators.DEFAULT_BUDGET
   damping_mode: str = "pi"
   precon_power: float = -1.0
   norm_constraint: float | None = DEFAULT_NORM_CONSTRAINT
@@ -197,10 +200,11 @@ class PreconditionerOptions(NamedTuple):
         self.inverse_every):
       raise ValueError(f"inverse_every must be a positive int (or None: "
                        f"planned), got {self.inverse_every!r}")
-    if not (isinstance(self.budget, (int, float))
-            and not isinstance(self.budget, bool) and 1 < self.budget < 1e9):
+    if self.budget is not None and not (
+        isinstance(self.budget, (int, float))
+        and not isinstance(self.budget, bool) and 1 < self.budget < 1e9):
       raise ValueError(f"budget must be a number above 1 (the planned step "
-                       f"in SGD steps), got {self.budget!r}")
+                       f"in SGD steps) or None, got {self.budget!r}")
     if (self.norm_constraint is not None
         and not isinstance(self.norm_constraint, jax.Array)
         and not self.norm_constraint > 0):  # An array: kfl.inject_hyperparams.

@@ -282,13 +282,15 @@ class _Kfac(NamedTuple):
 
 
 def build(loss_fn: Callable, example_batch, curvature: O.CurvatureOptions,
-          preconditioner: O.PreconditionerOptions, where: str = "kfac"
-          ) -> KfacWithLayers:
+          preconditioner: O.PreconditionerOptions, where: str = "kfac",
+          model_fraction: float | None = None) -> KfacWithLayers:
   """The transform of ``kfac`` for the two option records, checked here
   (before any trace), and ``layers(params, batch=None)``: the
   ``tagging.TaggedLoss`` (with its blocks) it uses for ``params`` and
   ``batch`` (None: the example batch). ``kfl.kfac_optimizer`` and
-  ``kfl.eigen_adam`` build on it (``where``: the name their errors give)."""
+  ``kfl.eigen_adam`` build on it (``where``: the name their errors give;
+  ``model_fraction``: ``kfl.kfac_optimizer``'s, whose quadratic model its
+  plan prices)."""
   curvature.check(example_batch, where)
   preconditioner.check()
   p = preconditioner
@@ -297,7 +299,8 @@ def build(loss_fn: Callable, example_batch, curvature: O.CurvatureOptions,
                       else (lambda _: p.damping))
   layers = _detection_of(loss_fn, example_batch, curvature, p.damping_mode)
   cfg = _Kfac(loss_fn, example_batch, curvature, p, layout, damping_schedule,
-              layers, _planning.plan_of(layers, example_batch, curvature, p))
+              layers, _planning.plan_of(layers, example_batch, curvature, p,
+                                        model_fraction))
   return KfacWithLayers(
       optax.GradientTransformationExtraArgs(functools.partial(_init, cfg),
                                             functools.partial(_update, cfg)),
