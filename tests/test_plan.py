@@ -238,17 +238,20 @@ def test_optimizer_plans_when_asked_and_follows_its_plan():
   planned = kfl.kfac_optimizer(_mlp_loss, batch, cov_every=None,
                                inverse_every=None)
   grads = jax.grad(_mlp_loss)(params, batch)
-  for opt, want_k in ((by_default, 1), (planned, k)):
+  for opt, want_k, want_t in ((by_default, 1, 10), (planned, k, t)):
     update = jax.jit(lambda s, opt=opt: opt.update(grads, s, params,
                                                    batch=batch)[1])
     state = opt.init(params)
-    due = []
-    for _ in range(2 * want_k + 1):
+    due, refreshed = [], []
+    steps = max(2 * want_k, want_t) + 1
+    for _ in range(steps):
       due.append(bool(kfl.stats_due(state)))
       state = update(state)
+      refreshed.append(int(state.kfac.blocks["w1"].a.cache.step))
     young = lambda i: 0 < i < want_k and i & (i - 1) == 0
     assert due == [i % want_k == 0 or young(i)
-                   for i in range(2 * want_k + 1)], (want_k, due)
+                   for i in range(steps)], (want_k, due)
+    assert refreshed[want_t] == want_t and refreshed[want_t - 1] < want_t
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.5])

@@ -313,8 +313,8 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   and ``kfl.kfac``'s settings of the same names and defaults:
   ``inverse_every`` (``T``), ``stats_fraction`` (``f``), ``cov_every``
   (the statistics' share of a step ``1/K``; None for both: as
-  ``kfl.kfac`` plans them for ``budget``, its 1.3 when None, shown on the plan line:
-  ``Table.plan``, ``plan_for``), ``inverse_method`` (``c`` of
+  ``kfl.kfac`` plans them for ``budget``, its 1.3 when None, shown on
+  the plan line: ``Table.plan``, ``plan_for``), ``inverse_method`` (``c`` of
   ``c·n³``: ``_cost.INVERSE_COSTS``, 2 for Gauss–Jordan, 7/3 Cholesky, 10
   eigh; ``"auto"`` as resolved on this backend); ``style``: ``"1-pass"``
   (the statistics share the gradient's forward pass:
