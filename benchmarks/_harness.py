@@ -192,7 +192,9 @@ def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
   """The K-FAC families of every time-to-target script.
 
   ``optax.chain(kfl.kfac(loss_fn, example), optax.sgd(lr, momentum=0.9))``
-  at the library's defaults over ``lrs``; the same tuned over ``dampings``
+  at the library's defaults (or with the options ``--set kfac.KEY=...``
+  gives, the estimator built with the same estimation options) over
+  ``lrs``; the same tuned over ``dampings``
   x ``tuned_lrs`` (the defaults' runs compete with it); both stepped in
   ``style``; and ``kfl.kfac_optimizer(loss_fn, example)`` at its defaults
   (or the options ``--set kfac_opt.KEY=...`` gives), its statistics from
@@ -202,10 +204,12 @@ def kfac_families(optax_family, loss_fn, example, lrs, dampings, tuned_lrs,
   """
   return [
       optax_family("kfac", "K-FAC+SGD defaults", {"lr": list(lrs)},
-                   lambda lr: optax.chain(kfl.kfac(loss_fn, example),
-                                          optax.sgd(lr, momentum=0.9)),
-                   style=style,
-                   note="kfl.kfac(loss_fn, batch) defaults + sgd(lr, 0.9)"),
+                   lambda lr, **options: optax.chain(
+                       kfl.kfac(loss_fn, example, **options),
+                       optax.sgd(lr, momentum=0.9)),
+                   style=style, est_options=ESTIMATOR_OPTIONS,
+                   note="kfl.kfac(loss_fn, batch) defaults (or the options "
+                   "--set kfac.KEY=... gives) + sgd(lr, 0.9)"),
       optax_family("kfac_tuned", "K-FAC+SGD tuned",
                    {"damping": list(dampings), "lr": list(tuned_lrs)},
                    lambda damping, lr: optax.chain(
