@@ -261,8 +261,8 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       loss in 30.1 s against the defaults' 32.6 s, of 60 s; but on the
       standardised-digits MLP 64-100-100-10 at batch 128 (the README's
       loop, ``tests/test_optimizer_standardised.py``) statistics every 2
-      or 10 steps let the full-data loss climb back 2-15x over its last
-      20 of 100 steps (0.019 -> 0.27 at every 2), where every step ends
+      or 10 steps let the full-data loss climb back 2-16x over its last
+      20 of 100 steps (0.017 -> 0.27 at every 2), where every step ends
       at 0.015.
     damping_mode: ``kfl.PreconditionerOptions.damping_mode``.
     precon_power: ``kfl.PreconditionerOptions.precon_power``.
