@@ -143,9 +143,14 @@ def floor(flops, model_fraction: float | None = None) -> float | None:
   ``model_fraction``, ``kfl.kfac_optimizer``'s: ``1 + (Q + P) / W``; None
   without an SGD share)."""
   w, _, p, _ = _parts(flops)
-  q = 0.0 if model_fraction is None else _cost.quadratic_model(
+  return 1 + (_model_flops(w, model_fraction) + p) / w if w else None
+
+
+def _model_flops(w, model_fraction):
+  """``Q``: ``kfl.kfac_optimizer``'s quadratic model for an SGD share
+  ``w`` (0 for ``kfl.kfac``, ``model_fraction`` None)."""
+  return 0.0 if model_fraction is None else _cost.quadratic_model(
       w, model_fraction)
-  return 1 + (q + p) / w if w else None
 
 
 def _parts(flops):
@@ -174,8 +179,7 @@ def plan(flops, *, budget: float | None = DEFAULT_BUDGET,
       None: ``kfl.kfac``'s.
   """
   w, s, p, r = _parts(flops)
-  q = (0.0 if model_fraction is None or not w
-       else _cost.quadratic_model(w, model_fraction))
+  q = _model_flops(w, model_fraction)
   model = None if model_fraction is None or not w else q / w
   planned = tuple(n for n, v in (("cov_every", cov_every),
                                  ("inverse_every", inverse_every))

@@ -255,15 +255,10 @@ def kfac_optimizer(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       the statistics and the refreshes, the overhead ``kfl.kfac``'s
       default budget allows them. ``kfl.describe(..., model_fraction=f)``
       prints the plan and its price (``cov_every=1, inverse_every=10``:
-      the price of the defaults). The intervals are not planned by
-      default: on the MNIST autoencoder (batch 1000, ``model_fraction=1/4``)
-      the plan (statistics and a refresh every 10 steps) reached Adam's
-      loss in 30.1 s against the defaults' 32.6 s, of 60 s; but on the
-      standardised-digits MLP 64-100-100-10 at batch 128 (the README's
-      loop, ``tests/test_optimizer_standardised.py``) statistics every 2
-      or 10 steps let the full-data loss climb back 2-16x over its last
-      20 of 100 steps (0.017 -> 0.27 at every 2), where every step ends
-      at 0.015.
+      the price of the defaults). Not planned by default: the plan was 8%
+      sooner to Adam's loss on the MNIST autoencoder at batch 1000 and let
+      a batch-128 MLP's loss climb back (``docs/defaults.md``,
+      "kfac_optimizer's intervals").
     damping_mode: ``kfl.PreconditionerOptions.damping_mode``.
     precon_power: ``kfl.PreconditionerOptions.precon_power``.
     norm_constraint: ``kfl.PreconditionerOptions.norm_constraint``, but
