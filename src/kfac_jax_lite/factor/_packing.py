@@ -19,11 +19,12 @@ they are a chain of scalar additions, and XLA fuses that chain into every
 elementwise consumer of the total, once per consumer: a verdict or a
 scale applied to each of a model's ``n`` leaves then costs ``n²``
 instructions (on a 6-block transformer, 14k of the update's 84k
-optimised instructions; at 12 blocks about a fifth of its compile). Stacked and summed with ``jnp.sum`` they are
-split back into that chain (XLA rewrites a sum over a concatenation as a
-sum per operand), so ``sum_scalars`` sums them as a cumulative sum (a
-``reduce_window``, which XLA neither splits nor duplicates into
-consumers) and takes its last entry.
+optimised instructions; at 12 blocks about a fifth of its compile).
+Stacked and summed with ``jnp.sum`` they are split back into that chain
+(XLA rewrites a sum over a concatenation as a sum per operand), so
+``sum_scalars`` sums them as a cumulative sum (a ``reduce_window``, which
+XLA neither splits nor duplicates into consumers) and takes its last
+entry.
 """
 from __future__ import annotations
 

@@ -192,8 +192,7 @@ def refresh(layers, states, damping, damping_ok, due, step, *, precon_power,
     if axis_name is not None:  # Each device inverts only its own share.
       return refreshed(layers, states, inverse_method)
     joining = [l for l in layers if _batches(_block(l))]
-    names = {l.name for l in joining}
-    out = refreshed([l for l in layers if l.name not in names], states,
+    out = refreshed([l for l in layers if not _batches(_block(l))], states,
                     inverse_method)
     if joining:  # Traced twice (factor.batched_inverses).
       out.update(fac.batched_inverses(
