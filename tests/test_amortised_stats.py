@@ -6,11 +6,13 @@ statistics only on the updates where ``kfl.kfac`` accumulates them
 
 * the flag follows ``cov_every`` and is found in any optax state holding
   one ``kfl.kfac`` state;
-* on a statistics step the estimate is the flagless one;
-* on the other steps the program computes no statistics: the statistics'
-  own work (products and random draws) sits in a ``lax.cond`` branch not
-  taken, the forward and gradient passes outside it (checked on the
-  program, not by timing), also with ``stats_fraction``;
+* the statistics are left to the update (``estimators.Deferred``), and
+  computed there they are the flagless estimate's;
+* on the other steps the program computes no statistics: their own work
+  (products and random draws) sits in the update's conditional branch,
+  the estimate is the gradient's program (checked on the program, not by
+  timing), also with ``stats_fraction``; on every update they share the
+  step's forward pass;
 * a training run in this style follows the ``batch=`` style, where
   ``cov_every`` gates the statistics inside ``update``, to float64
   rounding.
@@ -61,12 +63,6 @@ def count_work(jaxpr):
   return count_primitives(jaxpr, WORK)
 
 
-def the_cond(jaxpr):
-  conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
-  assert len(conds) == 1, [e.primitive.name for e in jaxpr.eqns]
-  return conds[0]
-
-
 def test_stats_due_follows_cov_every_in_any_state():
   params, batch = init_params(), make_batch()
   tx = optax.chain(kfl.kfac(loss_fn, batch, cov_every=3),
@@ -94,29 +90,71 @@ def test_with_stats_flag_is_checked():
     est_fn(params, batch, jax.random.PRNGKey(0), with_stats=jnp.int32(1))
 
 
-def test_statistics_step_is_the_flagless_estimate():
+def outside_conds(jaxpr):
+  """The WORK equations of ``jaxpr`` and the jaxprs inside it, cond
+  branches left out."""
+  counts = dict.fromkeys(WORK, 0)
+
+  def walk(j):
+    for eqn in j.eqns:
+      if eqn.primitive.name == "cond":
+        continue
+      if eqn.primitive.name in counts:
+        counts[eqn.primitive.name] += 1
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          if hasattr(sub, "eqns"):
+            walk(sub)
+          elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+            walk(sub.jaxpr)
+  walk(jaxpr)
+  return counts
+
+
+@pytest.mark.parametrize("stats_fraction", [1.0, 0.25])
+def test_deferred_statistics_are_the_flagless_estimate(stats_fraction):
+  """With a traced flag the statistics are left to the update
+  (``estimators.Deferred``): both ways to compute them, from the step's
+  own forward pass and from a pass of their own, give the flagless
+  estimate's; the loss, the gradient and the run entry are given now."""
   params, batch = init_params(), make_batch()
-  est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
+  est_fn = kfl.value_grad_and_stats(loss_fn, params, batch,
+                                    stats_fraction=stats_fraction)
   key = jax.random.PRNGKey(3)
   want = jax.jit(est_fn)(params, batch, key)
-  flagged = jax.jit(lambda p, b, k, f: est_fn(p, b, k, with_stats=f))
-  got = flagged(params, batch, key, jnp.bool_(True))
-  # One computation in two programs (inside and outside a cond): rounding
-  # of 2 layers forward and back and the softmax over N examples.
+  # One computation in two programs: rounding of 2 layers forward and back
+  # and the softmax over N examples.
   close = functools.partial(assert_rounding_close, terms=N, depth=6)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    close(a, b)
-  skipped = flagged(params, batch, key, jnp.bool_(False))
-  close(skipped.loss, want.loss)
-  for a, b in zip(jax.tree.leaves(skipped.grads), jax.tree.leaves(want.grads)):
-    close(a, b)
-  # The run entry (the loss, the bad-target count) is computed every step.
-  for s in jax.tree.leaves((block_stats(skipped.stats), skipped.weights)):
-    assert not np.any(np.asarray(s))
+
+  @jax.jit
+  def deferred(p, b, k, f):
+    est = est_fn(p, b, k, with_stats=f)
+    assert kfl.estimators.is_deferred(est.stats) and est.weights is None
+    return est.loss, est.grads, est.stats[kfl.estimators.RUN_ENTRY], [
+        kfl.estimators.resolve(est.stats, None, every_step=e)
+        for e in (True, False)]
+  for flag in (True, False):  # The update decides; the flag is its own.
+    loss, grads, run, (shared, own) = deferred(params, batch, key,
+                                              jnp.bool_(flag))
+    for a, b in zip(jax.tree.leaves((loss, grads)),
+                    jax.tree.leaves((want.loss, want.grads))):
+      close(a, b)
+    for a, b in zip(jax.tree.leaves(run), jax.tree.leaves(
+        want.stats[kfl.estimators.RUN_ENTRY])):
+      close(a, b)
+    for got in (shared, own):
+      assert got.keys() == block_stats(want.stats).keys()
+      for a, b in zip(jax.tree.leaves(got),
+                      jax.tree.leaves(block_stats(want.stats))):
+        close(a, b)
 
 
 @pytest.mark.parametrize("stats_fraction", [1.0, 0.25])
 def test_other_steps_compute_no_statistics(stats_fraction):
+  """The README's one-pass step with a traced flag: the estimate does the
+  gradient's work only, and the statistics' work (products and draws)
+  sits in the update's conditional branch; with statistics on every update
+  (``cov_every=1``) they share the step's one forward pass."""
   params, batch = init_params(), make_batch()
   est_fn = kfl.value_grad_and_stats(loss_fn, params, batch,
                                     stats_fraction=stats_fraction)
@@ -133,30 +171,42 @@ def test_other_steps_compute_no_statistics(stats_fraction):
       params, batch, key)
   assert count_work(never.jaxpr) == plain
 
-  # A traced flag: one cond around the statistics' own work. Outside it the
-  # forward pass and the gradient (no draws: with stats_fraction < 1
-  # exactly the gradient's program); its false branch does no work; outside
-  # and true branch together are the flagless estimate. (The gradient stays
-  # outside: XLA:CPU compiles a convolution's gradient in a conditional
-  # branch without its fast kernels, 9x slower on the benchmarks' conv net.)
+  # A traced flag: the estimate is the gradient's program, no conditional.
   traced = jax.make_jaxpr(lambda p, b, k, f: est_fn(p, b, k, with_stats=f))(
       params, batch, key, jnp.bool_(True))
-  false_branch, true_branch = the_cond(traced.jaxpr).params["branches"]
-  inside = count_work(true_branch.jaxpr)
-  assert not any(count_work(false_branch.jaxpr).values())
-  outside = {k: v - inside[k] for k, v in count_work(traced.jaxpr).items()}
-  assert outside["random_bits"] == 0 and inside["random_bits"] > 0
-  assert outside["dot_general"] >= plain["dot_general"]
-  if stats_fraction < 1:
-    assert outside == plain
-  assert {k: outside[k] + inside[k] for k in WORK} == full
+  assert not any(e.primitive.name == "cond" for e in traced.jaxpr.eqns)
+  assert count_work(traced.jaxpr) == plain
+
+  def step_work(cov_every, with_stats):
+    tx = kfl.kfac(loss_fn, batch, cov_every=cov_every, inverse_every=1 << 20,
+                  stats_fraction=stats_fraction)
+    state = tx.init(params)
+
+    def step(p, s, b, k):
+      est = est_fn(p, b, k, with_stats=with_stats(s))
+      return tx.update(est.grads, s, p, stats=est.stats, loss=est.loss)
+    jaxpr = jax.make_jaxpr(step)(params, state, batch, key).jaxpr
+    return outside_conds(jaxpr), count_work(jaxpr)
+
+  # Statistics every 3 updates: none of their work outside a conditional.
+  outside, total = step_work(3, kfl.stats_due)
+  assert outside["random_bits"] == 0 and total["random_bits"] > 0
+  assert outside["dot_general"] < total["dot_general"]
+  # Every update: the deferred statistics cost what the flagless estimate's
+  # do (one forward pass between them), nothing under a conditional.
+  outside, total = step_work(1, kfl.stats_due)
+  assert outside == total == step_work(1, lambda s: True)[1]
 
 
-def test_amortised_one_pass_run_follows_the_batch_style():
+@pytest.mark.parametrize("cov_every", [1, 3])
+def test_amortised_one_pass_run_follows_the_batch_style(cov_every):
+  """Deferred statistics, from the step's own pass (``cov_every=1``) or
+  from their own pass in the update's branch (``cov_every=3``), train as
+  the ``batch=`` style does, to float64 rounding."""
   with x64_mode(True):
     params = init_params(jnp.float64)
     batches = [make_batch(seed, jnp.float64) for seed in range(7)]
-    options = dict(cov_every=3, inverse_every=2, damping=1e-2, seed=4)
+    options = dict(cov_every=cov_every, inverse_every=2, damping=1e-2, seed=4)
     tx_one = optax.chain(kfl.kfac(loss_fn, batches[0], **options),
                          optax.sgd(0.05, momentum=0.9))
     tx_two = optax.chain(kfl.kfac(loss_fn, batches[0], **options),

@@ -134,6 +134,12 @@ from kfac_jax_lite.estimators._estimate import split_run as split_run
 from kfac_jax_lite.estimators._estimate import checked_loss as checked_loss
 from kfac_jax_lite.estimators._estimate import (
     linearized_outputs as linearized_outputs)
+from kfac_jax_lite.estimators._deferred import (
+    DEFERRED_ENTRY as DEFERRED_ENTRY)
+from kfac_jax_lite.estimators._deferred import Deferred as Deferred
+from kfac_jax_lite.estimators._deferred import is_deferred as is_deferred
+from kfac_jax_lite.estimators._deferred import materialise as materialise
+from kfac_jax_lite.estimators._deferred import resolve as resolve
 from kfac_jax_lite.estimators._fraction import (
     check_stats_fraction as check_stats_fraction)
 from kfac_jax_lite.estimators._fraction import (

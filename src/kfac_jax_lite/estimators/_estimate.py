@@ -57,7 +57,9 @@ class Estimate(NamedTuple):
   plus the entry ``RUN_ENTRY`` (``"~run"``: the loss and the count of
   targets outside their distribution's support, which ``kfl.kfac``'s
   ``update(stats=)`` reads for its guards and ``kfl.health``; ``split_run``
-  separates them); ``weights`` are the examples' ``c_i``."""
+  separates them); ``weights`` are the examples' ``c_i``. Statistics left
+  to the update (a traced ``with_stats``: ``_deferred``) are the run entry
+  and ``DEFERRED_ENTRY`` instead of the blocks', with ``weights`` None."""
 
   loss: Any
   aux: Any
@@ -275,22 +277,22 @@ def _fallback_stats(tagged, param_grads, states):
           for l in tagged.fallbacks}
 
 
-def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
-             estimation="fisher", num_samples=1, states=None,
-             with_stats=True) -> Estimate:
-  """One forward pass: loss, gradient and statistics; see the module doc.
+class Pass(NamedTuple):
+  """One forward pass of a tagged loss and the gradient's backward pass
+  (``forward_pass``): what the statistics are formed from."""
+  probes: Any  # {probe uid: zeros}: the layers' output probes
+  loss: Any
+  aux: Any
+  caps: Any  # the captured layer inputs and loss outputs/targets
+  vjp_fn: Any  # the forward pass's pullback (its residuals)
+  local_grads: Any  # this device's parameter gradients
+  probe_ct: Any  # {probe uid: the loss's cotangent at that output}
+  grads: Any  # the parameter gradients (summed over the devices)
 
-  ``tagged``: the layers with their blocks (``TaggedLoss.with_blocks``);
-  ``states``: ``{layer name: block state}``, given to the blocks whose
-  statistics depend on their state (None: no such blocks);
-  ``with_stats``: True, or a traced boolean: the statistics (and the
-  weights) are then computed under a ``lax.cond`` and are zero where it is
-  False. The forward pass and the gradient's backward pass stay outside
-  the conditional: on XLA:CPU a convolution's gradient inside a
-  conditional branch misses the fast kernels (a conv net's
-  ``value_and_grad`` took 9x as long there, 560 ms against 63), so only
-  the statistics' own work is gated."""
-  check_estimation(estimation, num_samples)
+
+def forward_pass(tagged: tagging.TaggedLoss, params, batch) -> Pass:
+  """The forward pass of ``tagged``'s loss on ``batch`` and the gradient's
+  backward pass, keeping what the statistics need."""
   probes = tagged.zero_probes(params, batch)
 
   def f(p, pr):
@@ -305,10 +307,46 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
   zero_outs = jax.tree.map(jnp.zeros_like, outs)
   local_grads, probe_ct = vjp_fn((jnp.ones_like(loss), zero_outs))
   grads = tagged.summed_over_devices(local_grads, params)
+  return Pass(probes, loss, aux, caps, vjp_fn, local_grads, probe_ct, grads)
+
+
+def run_entry(tagged, fp: Pass):
+  """``Estimate.stats``' ``RUN_ENTRY`` of the pass ``fp``."""
+  return {"loss": fp.loss, "bad_targets": bad_targets(
+      tagged, fp.caps).astype(float_dtype(fp.loss.dtype))}
+
+
+def pass_statistics(tagged, fp: Pass, batch, key, estimation, num_samples,
+                    states):
+  """``(stats, c_i)``: every block's statistics (no run entry) and the
+  examples' weights, from the pass ``fp`` on ``batch``."""
+  return _statistics(tagged, fp.probes, fp.loss, fp.caps, fp.vjp_fn,
+                     fp.local_grads, fp.probe_ct, batch, key, estimation,
+                     num_samples, states)
+
+
+def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
+             estimation="fisher", num_samples=1, states=None,
+             with_stats=True) -> Estimate:
+  """One forward pass: loss, gradient and statistics; see the module doc.
+
+  ``tagged``: the layers with their blocks (``TaggedLoss.with_blocks``);
+  ``states``: ``{layer name: block state}``, given to the blocks whose
+  statistics depend on their state (None: no such blocks);
+  ``with_stats``: True, or a traced boolean: the statistics (and the
+  weights) are then computed under a ``lax.cond`` and are zero where it is
+  False. The forward pass and the gradient's backward pass stay outside
+  the conditional: on XLA:CPU a convolution's gradient inside a
+  conditional branch misses the fast kernels (a conv net's
+  ``value_and_grad`` took 9x as long there, 560 ms against 63), so only
+  the statistics' own work is gated (``value_grad_and_stats`` does so on a
+  mesh; elsewhere it defers them to the update, ``_deferred``)."""
+  check_estimation(estimation, num_samples)
+  fp = forward_pass(tagged, params, batch)
 
   def statistics():
-    return _statistics(tagged, probes, loss, caps, vjp_fn, local_grads,
-                       probe_ct, batch, key, estimation, num_samples, states)
+    return pass_statistics(tagged, fp, batch, key, estimation, num_samples,
+                           states)
   if with_stats is True:
     stats, c_i = statistics()
   else:
@@ -316,9 +354,8 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
     stats, c_i = jax.lax.cond(with_stats, statistics, lambda: jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype), shapes))
   stats = dict(stats)
-  stats[RUN_ENTRY] = {"loss": loss, "bad_targets": bad_targets(
-      tagged, caps).astype(float_dtype(loss.dtype))}
-  return Estimate(loss, aux, grads, stats, c_i)
+  stats[RUN_ENTRY] = run_entry(tagged, fp)
+  return Estimate(fp.loss, fp.aux, fp.grads, stats, c_i)
 
 
 def _statistics(tagged, probes, loss, caps, vjp_fn, local_grads, probe_ct,

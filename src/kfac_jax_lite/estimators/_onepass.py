@@ -14,10 +14,14 @@ Amortisation. ``kfl.kfac`` accumulates statistics only at the updates
 where ``count % cov_every == 0`` (``count``: the updates so far); at the
 others it ignores ``stats=``. ``kfl.stats_due(state)`` reads that
 condition for the next update from the optax state (``KfacState.stats_due``),
-and ``with_stats=`` makes ``est_fn`` compute the statistics only then:
-one ``lax.cond`` inside the jitted step, the plain ``jax.value_and_grad``
-on the other steps. A statistics step computes exactly what ``est_fn``
-computes without the flag; the others cost one gradient, and
+and ``with_stats=`` makes the statistics cost only then: with that traced
+flag ``est_fn`` computes the loss and gradient and leaves the statistics
+to the update (``est.stats`` holds a ``_deferred.Deferred``), which
+computes them inside its own conditional branch, on the statistics steps
+only, from a forward pass of their own (from the step's pass when it folds
+statistics in on every update, ``cov_every=1``). A statistics step folds
+in exactly what ``est_fn`` computes without the flag; the others cost one
+gradient and write nothing of the statistics' size, and
 ``stats_fraction < 1`` makes the statistics steps themselves cheaper (their
 own pass over the first share of the batch). Without the flag every step
 pays for the statistics whatever ``cov_every`` says.
@@ -36,6 +40,7 @@ from kfac_jax_lite import tagging
 from kfac_jax_lite.estimators import _devices
 from kfac_jax_lite.estimators._checks import (
     check_estimation, check_example_axis, check_has_loss)
+from kfac_jax_lite.estimators._deferred import deferred_estimate
 from kfac_jax_lite.estimators._estimate import RUN_ENTRY, Estimate, estimate
 from kfac_jax_lite.estimators._fraction import (
     check_stats_fraction, stats_batch_size, stats_slice)
@@ -142,14 +147,19 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
     compute the statistics at all (amortisation, module doc): ``True`` (the
     default) always; ``False`` never (the plain ``jax.value_and_grad``, with
     zero ``stats`` and ``weights`` of the same shapes); a traced boolean,
-    such as ``kfl.stats_due(state)``, chooses at run time: the forward pass
-    and the gradient always run, the statistics' own work (the sampled
-    backward pass, the factors' products) under one ``lax.cond``, so only
-    on the steps that use them (under ``vmap`` with a batched flag the cond
-    becomes a select and both run). The gradient stays outside the
-    conditional because XLA:CPU compiles a convolution's gradient in a
-    conditional branch without its fast kernels (9x slower on the conv net
-    of ``benchmarks/``).
+    ``kfl.stats_due(state)`` of the state the estimate's update gets: the
+    statistics are deferred to that update (module doc), which computes
+    them when its own flag says so (the value passed is not read): ``stats``
+    are then the run entry and ``estimators.DEFERRED_ENTRY`` (no block
+    entries; ``estimators.resolve`` computes them) and ``weights`` None.
+    Only ``kfl.kfac``, ``kfl.kfac_optimizer`` and ``kfl.eigen_adam`` (and
+    ``kfl.with_stats``) take such stats. With ``mesh`` (the per-device
+    statistics leave a ``shard_map`` as arrays) a traced flag instead puts
+    the statistics' own work (the sampled backward pass, the factors'
+    products) under one ``lax.cond``, with zeros where it is False. The
+    gradient stays outside any conditional because XLA:CPU compiles a
+    convolution's gradient in a conditional branch without its fast
+    kernels (9x slower on the conv net of ``benchmarks/``).
   """
   check_estimation(estimation, num_samples)
   _devices.check_mesh(mesh, axis_name)
@@ -165,22 +175,21 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
   stats_batch_size(batch, stats_fraction, "value_grad_and_stats(batch)",
                    tagged.examples)  # Now knowing which leaves are examples.
 
-  def with_statistics(params, batch, key, states, flag: Any = True):
-    if stats_fraction >= 1.0:
-      return estimate(tagged, params, batch, key, estimation=estimation,
-                      num_samples=num_samples, states=states,
-                      with_stats=flag)
-    part = lambda: estimate(
+  def part(params, batch, key, states):
+    """``(stats, weights)`` of the statistics' own pass on the first
+    ``stats_fraction`` of ``batch``."""
+    return estimate(
         tagged, params, stats_slice(batch, stats_fraction,
                                     "value_grad_and_stats", tagged.examples),
-        key, estimation=estimation, num_samples=num_samples, states=states)
+        key, estimation=estimation, num_samples=num_samples,
+        states=states)[3:]
+
+  def with_statistics(params, batch, key, states):
+    if stats_fraction >= 1.0:
+      return estimate(tagged, params, batch, key, estimation=estimation,
+                      num_samples=num_samples, states=states)
     loss, aux, grads = plain(params, batch)
-    if flag is True:
-      stats, weights = part()[3:]
-    else:  # Only the slice's pass under the conditional (``estimate``).
-      shapes = jax.eval_shape(lambda: part()[3:])
-      stats, weights = jax.lax.cond(flag, lambda: part()[3:], lambda: jax.tree.map(
-          lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+    stats, weights = part(params, batch, key, states)
     return Estimate(loss, aux, grads, _run_loss(stats, loss), weights)
 
   def plain(params, batch):
@@ -196,24 +205,49 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
                     _run_loss(jax.tree.map(zeros, shapes.stats), loss),
                     zeros(shapes.weights))
 
+  def gated(params, batch, key, states, flag):
+    """The statistics' own work (the sampled backward pass, the factors'
+    products; a slice's whole pass) under a ``lax.cond`` on the traced
+    ``flag``, zeros where it is False: per device on a mesh, whose
+    per-device statistics leave the ``shard_map`` as arrays."""
+    if stats_fraction >= 1.0:
+      return estimate(tagged, params, batch, key, estimation=estimation,
+                      num_samples=num_samples, states=states,
+                      with_stats=flag)
+    loss, aux, grads = plain(params, batch)
+    shapes = jax.eval_shape(part, params, batch, key, states)
+    stats, weights = jax.lax.cond(
+        flag, lambda: part(params, batch, key, states),
+        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+    return Estimate(loss, aux, grads, _run_loss(stats, loss), weights)
+
+  def deferred(params, batch, key, states):
+    """The statistics left to the update's own conditional
+    (``_deferred``): the forward and gradient passes only, here."""
+    del states  # The update passes its own.
+    est = deferred_estimate(tagged, params, batch, key,
+                            estimation=estimation, num_samples=num_samples,
+                            stats_fraction=stats_fraction)
+    return est._replace(stats=_run_loss(est.stats, est.loss))
+
   def one_device(params, batch, key, states, flag):
     if isinstance(flag, bool):
       branch = with_statistics if flag else without_statistics
       return branch(params, batch, key, states)
-    # The statistics' work alone runs under a lax.cond (``estimate``): the
-    # forward and gradient passes stay outside it.
-    return with_statistics(params, batch, key, states, flag)
+    return gated(params, batch, key, states, flag)
 
   def fn(params, batch, key, states=None, *, with_stats=True):
-    run = one_device
-    if mesh is not None and not _devices.axis_is_bound(axis_name):
-      run = _devices.on_mesh(one_device, tagged.examples, mesh, axis_name)
+    on_mesh = mesh is not None and not _devices.axis_is_bound(axis_name)
+    run = (_devices.on_mesh(one_device, tagged.examples, mesh, axis_name)
+           if on_mesh else one_device)
     if isinstance(with_stats, (bool, np.bool_)):
       return run(params, batch, key, states, bool(with_stats))
     flag = jnp.asarray(with_stats)
     if flag.shape != () or flag.dtype != jnp.bool_:
       raise ValueError("with_stats must be a bool or a scalar boolean array "
                        f"(kfl.stats_due(state)), got {flag.dtype}{list(flag.shape)}")
+    if not on_mesh:
+      return deferred(params, batch, key, states)
     return run(params, batch, key, states, flag)
 
   fn.tagged = tagged

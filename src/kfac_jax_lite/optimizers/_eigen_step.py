@@ -136,12 +136,13 @@ def _fold(cfg, s: Step, blocks):
       dtype = float_dtype(s.params)
       own = (jnp.asarray(loss, dtype), jnp.asarray(bad, dtype),
              jnp.ones((), bool))
-  elif s.stats is not None:
-    new = jax.lax.pmean(s.stats, c.axis_name) if c.axis_name else s.stats
+  elif s.stats is not None:  # Given, or deferred to this branch.
+    new = estimators.resolve(s.stats, _all_states(s, blocks),
+                             every_step=cov_every(cfg) == 1)
+    new = jax.lax.pmean(new, c.axis_name) if c.axis_name else new
   else:
     dtype = float_dtype(s.params)
-    all_states = {l.name: (blocks[l.name] if l.name in blocks
-                           else l.block.init(dtype)) for l in s.tagged.layers}
+    all_states = _all_states(s, blocks)
     new, loss = transform.statistics(
         s.tagged, s.params, s.batch, s.stats_key, all_states,
         estimation=c.estimation, num_samples=c.num_samples,
@@ -151,6 +152,14 @@ def _fold(cfg, s: Step, blocks):
     own = (jnp.asarray(loss, dtype), jnp.asarray(bad, dtype),
            jnp.ones((), bool))
   return transform.accumulate(s.layers, blocks, new, c.cov_decay), own
+
+
+def _all_states(s: Step, blocks):
+  """``{layer name: block state}`` of every tagged layer (a fresh one for
+  the layers without a rotated block), for the statistics' pass."""
+  dtype = float_dtype(s.params)
+  return {l.name: (blocks[l.name] if l.name in blocks
+                   else l.block.init(dtype)) for l in s.tagged.layers}
 
 
 def _no_pass(dtype):

@@ -395,6 +395,9 @@ def _given(cfg: _Kfac, updates, state, params, *, batch, stats, damping,
     raise ValueError(_pending.missing("kfac.update"))
   mesh, axis_name = cfg.preconditioner.mesh, cfg.curvature.axis_name
   if mesh is not None and not estimators.axis_is_bound(axis_name):
+    stats = estimators.materialise(  # Not per device: summed by XLA.
+        stats, state.stats_due > 0,
+        state.blocks if isinstance(state.blocks, dict) else None)
     if (stats is not None and cfg.layout == "sharded"
         and mesh.shape[axis_name] > 1 and not estimators.is_per_device(stats)):
       warnings.warn(
@@ -509,9 +512,13 @@ def _curvature(cfg: _Kfac, tagged, state, params, leaves, *, batch, stats,
   poison = lambda st, ok: jax.tree.map(
       lambda x: jnp.where(ok, x, jnp.nan).astype(x.dtype)
       if jnp.issubdtype(x.dtype, jnp.inexact) else x, st)
+  # Statistics given (stats=), or deferred by the one-pass estimate to this
+  # update's conditional branch (``estimators.resolve``).
+  given = lambda states: estimators.resolve(stats, states,
+                                            every_step=c.cov_every == 1)
   if isinstance(state.blocks, sharding.ShardedBlocks):
     _sharded_step.check_layout(state.blocks, layers)
-    local = lambda: ((poison(stats, input_ok), 0.0) if stats is not None
+    local = lambda: ((poison(given(None), input_ok), 0.0) if stats is not None
                      else statistics(
         tagged, params, batch, stats_key, None, estimation=c.estimation,
         num_samples=c.num_samples, stats_fraction=c.stats_fraction))
@@ -526,7 +533,7 @@ def _curvature(cfg: _Kfac, tagged, state, params, leaves, *, batch, stats,
 
   def statistics_and_accumulate(states):
     if stats is not None:
-      new, value, ok = mean(stats), 0.0, jnp.ones((), bool)
+      new, value, ok = mean(given(states)), 0.0, jnp.ones((), bool)
     else:
       new, value = statistics(tagged, params, batch, stats_key, states,
                               estimation=c.estimation,
