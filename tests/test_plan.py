@@ -50,13 +50,15 @@ def _dense_parts(m, layers):
   return w, s, p, r
 
 
-def _check_first_fit(chosen, parts, budget):
+def _check_first_fit(chosen, parts, budget, raise_target=True):
   """``chosen`` is the first pair in the preference order that fits the
-  budget (or the floor-raised target), priced by hand."""
+  budget (or the floor-raised target, unless not ``raise_target``: a
+  default budget relative to the floor), priced by hand."""
   w, s, p, r = parts
   price = lambda k, t: 1 + (s / k + p + r / t) / w
   floor = 1 + p / w
-  target = max(budget, floor + _plan.MIN_SHARE * (budget - 1))
+  target = (max(budget, floor + _plan.MIN_SHARE * (budget - 1))
+            if raise_target else budget)
   order = [(k, t) for t in TS for k in KS if k <= t]
   fits = [pair for pair in order if price(*pair) <= target]
   assert fits, "the test's budget must be feasible"
@@ -193,8 +195,9 @@ def _optimizer_plan_by_hand(parts, fraction, budget=None):
   q = 2 * fraction * w
   price = lambda k, t: 1 + (q + s / k + p + r / t) / w
   floor = 1 + (q + p) / w
+  target = floor + 0.3 if budget is None else max(
+      budget, floor + _plan.MIN_SHARE * (budget - 1 - q / w))
   budget = floor + 0.3 if budget is None else budget
-  target = max(budget, floor + _plan.MIN_SHARE * (budget - 1 - q / w))
   order = [(k, t) for t in TS for k in KS if k <= t]
   fits = [pair for pair in order if price(*pair) <= target]
   pair = fits[0] if fits else max(order, key=lambda kt: (kt[1], kt[0]))
@@ -252,6 +255,66 @@ def test_optimizer_plans_when_asked_and_follows_its_plan():
     assert due == [i % want_k == 0 or young(i)
                    for i in range(steps)], (want_k, due)
     assert refreshed[want_t] == want_t and refreshed[want_t - 1] < want_t
+
+
+def _eigen_adam_parts(m, layers):
+  """``(W, S, P, R)`` by hand of ``kfl.eigen_adam``'s step: K-FAC's
+  statistics, the rotations in and out every step (``2 · 2·(a²b + ab²)``:
+  ``Q_Aᵀ M Q_G`` and back) and an ``eigh`` of each factor per refresh
+  (``10·(a³ + b³)``)."""
+  w, s, p, _ = _dense_parts(m, layers)
+  return w, s, 2 * p, sum(10 * (a ** 3 + b ** 3) for a, b in layers)
+
+
+@pytest.mark.parametrize("budget", [None, 3.0])
+def test_eigen_adam_plan_against_a_hand_count(budget):
+  params, batch = _mlp()
+  plan = kfl.describe(_mlp_loss, params, batch, optimizer="eigen_adam",
+                      budget=budget).plan
+  w, s, p, r = _eigen_adam_parts(64, [(21, 30), (31, 5)])
+  floor = 1 + p / w
+  want = floor + 0.3 if budget is None else budget
+  assert plan.budget == pytest.approx(want)
+  _check_first_fit(plan, (w, s, p, r), want, raise_target=budget is not None)
+  assert plan.met
+  assert "planned (cov_every, refresh_every)" in plan.line
+
+
+def test_eigen_adam_plans_when_asked_and_follows_its_plan():
+  """kfl.eigen_adam keeps statistics every step and bases every 10 by
+  default; with both intervals None it follows describe's plan for it:
+  statistics every K updates, the bases refreshed at multiples of T."""
+  params, batch = _mlp()
+  plan = kfl.describe(_mlp_loss, params, batch, optimizer="eigen_adam").plan
+  k, t = plan.cov_every, plan.inverse_every
+  assert k > 1, plan.line  # Else the test below tests nothing.
+  grads = jax.grad(_mlp_loss)(params, batch)
+  for tx, want_k, want_t in (
+      (kfl.eigen_adam(_mlp_loss, batch), 1, 10),
+      (kfl.eigen_adam(_mlp_loss, batch, cov_every=None, refresh_every=None),
+       k, t)):
+    update = jax.jit(lambda s, tx=tx: tx.update(grads, s, params,
+                                                batch=batch)[1])
+    state = tx.init(params)
+    due, refreshed = [], []
+    steps = max(2 * want_k, want_t) + 1
+    for _ in range(steps):
+      due.append(bool(kfl.stats_due(state)))
+      state = update(state)
+      refreshed.append(int(state.blocks["w1"].a.cache.step))
+    assert due == [i % want_k == 0 for i in range(steps)], (want_k, due)
+    assert refreshed[want_t] == want_t and refreshed[want_t - 1] < want_t
+
+
+def test_eigen_adam_refuses_to_plan_what_is_not_priced():
+  params, batch = _mlp()
+  with pytest.raises(ValueError, match="not priced, so not planned"):
+    kfl.eigen_adam(_mlp_loss, batch, basis="shampoo", cov_every=None)
+  with pytest.raises(ValueError, match="optimizer must be"):
+    kfl.describe(_mlp_loss, params, batch, optimizer="adam")
+  with pytest.raises(ValueError, match="model_fraction is kfl.kfac_optimizer"):
+    kfl.describe(_mlp_loss, params, batch, optimizer="eigen_adam",
+                 model_fraction=0.5)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.5])

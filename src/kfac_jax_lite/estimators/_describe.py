@@ -281,7 +281,8 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
              inverse_method: str = INVERSE_METHOD,
              style: str = "1-pass",
              budget: float | None = None,
-             model_fraction: float | None = None) -> Table:
+             model_fraction: float | None = None,
+             optimizer: str = "kfac") -> Table:
   """The curvature blocks of ``loss_fn``'s layers, as rows.
 
   ``has_aux``/``exclude``/``example_axis`` are those of ``find_layers``
@@ -326,7 +327,13 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   (its ``model_fraction``, 1 for its default): its quadratic model on that
   share of the batch is paid every step (``_cost.quadratic_model``), and
   ``budget`` None (its default) is its floor plus 0.3 SGD steps for the
-  statistics and the refresh (``_plan``)."""
+  statistics and the refresh (``_plan``). ``optimizer``: ``"kfac"`` (also
+  ``kfl.kfac_optimizer``'s, with ``model_fraction``) or ``"eigen_adam"``
+  (``kfl.eigen_adam(basis="kfac")``'s step: priced with
+  ``damping_mode="exact"``, the rotations into the eigenbases and back
+  every step and an ``eigh`` per refresh; ``inverse_every`` is its
+  ``refresh_every``, and ``budget`` None its floor plus 0.3, as it plans
+  them when given None)."""
   tagged = tagging.find_layers(loss_fn, params, batch, has_aux=has_aux,
                        exclude=exclude, example_axis=example_axis)
   if estimation is not None:
@@ -335,6 +342,16 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   if style not in STYLES:
     raise ValueError(f"describe: style must be one of {STYLES}, got "
                      f"{style!r}")
+  if optimizer not in ("kfac", "eigen_adam"):
+    raise ValueError(f"describe: optimizer must be 'kfac' or 'eigen_adam', "
+                     f"got {optimizer!r}")
+  if optimizer == "eigen_adam":
+    if model_fraction is not None:
+      raise ValueError("describe: model_fraction is kfl.kfac_optimizer's, "
+                       "not eigen_adam's")
+    damping_mode = "exact"  # Its bases: the blocks' eigendecompositions.
+  elif budget is None and model_fraction is None:
+    budget = _plan.DEFAULT_BUDGET  # kfl.kfac's.
   method = fac.check_inverse_method(inverse_method)
   _fraction.check_stats_fraction(stats_fraction)
   tagged = tagged.with_blocks(blocks, damping_mode=damping_mode,
@@ -347,20 +364,23 @@ def describe(loss_fn: Callable, params: chex.ArrayTree,
   if model_fraction is not None and not 0 < model_fraction <= 1:
     raise ValueError(f"describe: model_fraction must be in (0, 1] "
                      f"(kfl.kfac_optimizer's), got {model_fraction!r}")
-  if budget is None and model_fraction is None:
-    budget = _plan.DEFAULT_BUDGET  # kfl.kfac's.
   plan = plan_for(tagged, batch, budget=budget, cov_every=cov_every,
                   inverse_every=inverse_every, stats_fraction=stats_fraction,
                   estimation=estimation, inverse_method=inverse_method,
                   damping_mode=damping_mode, model_fraction=model_fraction)
+  if optimizer == "eigen_adam":  # Its name for the refresh interval.
+    plan = plan._replace(refresh_name="refresh_every")
   inverse_every, cov_every = plan.inverse_every, plan.cov_every
   table = rows(tagged, dict(
       m=m, stats_m=stats_m, inverse_every=inverse_every, cov_every=cov_every,
       c=c, own_forward=own, backward=estimation != "empirical_shared",
       damping_mode=damping_mode))
   table.plan = plan
+  refresh = (f"inverse_method={method!r} (c={c:.3g})"
+             if damping_mode != "exact" else
+             f"eigendecompositions (c={_cost.EIGH_COST:.3g})")
   table.price_settings = (
-      f"inverse_every={inverse_every}, inverse_method={method!r} (c={c:.3g}), "
+      f"inverse_every={inverse_every}, {refresh}, "
       f"stats_fraction={stats_fraction:g} ({stats_m} of {m} examples), "
       f"cov_every={cov_every}, {style}")
   table.first_step = _first_step.refusal(

@@ -82,6 +82,9 @@ class Plan(NamedTuple):
     model: ``kfl.kfac_optimizer``'s quadratic model every step, in SGD
       steps (``Q / W``, part of ``price``, ``every_step`` and ``floor``);
       None for ``kfl.kfac``.
+    refresh_name: the refresh interval's name in ``line`` (the planned
+      optimizer's: ``"refresh_every"`` for ``kfl.eigen_adam``); ``planned``
+      says ``"inverse_every"`` whatever it is.
   """
 
   cov_every: int
@@ -93,6 +96,7 @@ class Plan(NamedTuple):
   planned: tuple
   partition: tuple | None = None
   model: float | None = None
+  refresh_name: str = "inverse_every"
 
   @property
   def met(self) -> bool:
@@ -110,9 +114,11 @@ class Plan(NamedTuple):
             f"{self.inverse_every}")
     if self.price is None:
       return what + " (no SGD share known: nothing to plan against)"
-    given = [n for n in ("cov_every", "inverse_every")
+    name = lambda n: self.refresh_name if n == "inverse_every" else n
+    given = [name(n) for n in ("cov_every", "inverse_every")
              if n not in self.planned]
-    how = (f"planned ({', '.join(self.planned)}) for budget "
+    planned = [name(n) for n in self.planned]
+    how = (f"planned ({', '.join(planned)}) for budget "
            f"{self.budget:.3g}" if self.planned else "as given")
     if given and self.planned:
       how += f", {', '.join(given)} given"
@@ -171,7 +177,9 @@ def plan(flops, *, budget: float | None = DEFAULT_BUDGET,
   Args:
     flops: the blocks' ``Flops`` at ``K = T = 1``.
     budget: the mean step allowed, in SGD steps (> 1); None: the floor
-      plus ``DEFAULT_BUDGET − 1`` (``kfl.kfac_optimizer``'s default).
+      plus ``DEFAULT_BUDGET − 1`` (``kfl.kfac_optimizer``'s and
+      ``kfl.eigen_adam``'s default), priced against as it is (above the
+      floor by construction, so not raised by ``MIN_SHARE``).
     cov_every: ``K`` when given (then only ``T`` is planned).
     inverse_every: ``T`` when given (then only ``K`` is planned).
     model_fraction: ``kfl.kfac_optimizer``'s plan, its quadratic model on
@@ -196,9 +204,10 @@ def plan(flops, *, budget: float | None = DEFAULT_BUDGET,
     return Plan(k, t, None, price(k, t), price(1, 10), 1 + (q + p) / w, (),
                 model=model)
   floor = 1 + (q + p) / w
-  if budget is None:
-    budget = floor + (DEFAULT_BUDGET - 1)
-  target = max(budget, floor + MIN_SHARE * (budget - 1 - q / w))
+  target = None
+  if budget is None:  # Over the floor by construction: not raised.
+    budget = target = floor + (DEFAULT_BUDGET - 1)
+  target = target or max(budget, floor + MIN_SHARE * (budget - 1 - q / w))
   k, t = next((pair for pair in pairs if price(*pair) <= target),
               max(pairs, key=lambda kt: (kt[1], kt[0])))
   return Plan(k, t, budget, price(k, t), price(1, 10), floor, planned,

@@ -169,7 +169,8 @@ def _no_pass(dtype):
 
 
 def cov_every(cfg) -> int:
-  """``cov_every``, an int here (``eigen_adam`` refuses None)."""
+  """``cov_every``, an int here (``eigen_adam``'s update plans a None
+  first)."""
   every = cfg.curvature.cov_every
   assert every is not None
   return every

@@ -174,9 +174,9 @@ def _check(name, value, allowed):
 def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                eps_root: float = 0.0, basis: str = "kfac",
-               refresh: str = "eigh", refresh_every: int = 10,
+               refresh: str = "eigh", refresh_every: int | None = 10,
                nu_rebase: str = "keep", cov_decay: float = 0.95,
-               cov_every: int = 1,
+               cov_every: int | None = 1, budget: float | None = None,
                estimation: str = "fisher", num_samples: int = 1,
                stats_fraction: float = 1.0,
                blocks: Mapping[str, Any] | None = None,
@@ -187,15 +187,21 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
   """Adam in the eigenbasis of each layer's Kronecker factors (module
   docstring); chain it with ``optax.scale_by_learning_rate(lr)``.
 
-  Its price is not planned: ``cov_every`` and ``refresh_every`` are used
-  as given. With ``basis="kfac"`` a step does the work that
-  ``kfl.describe(loss_fn, params, batch, damping_mode="exact",
+  Its price. With ``basis="kfac"`` a step does the work that
+  ``kfl.describe(loss_fn, params, batch, optimizer="eigen_adam",
   cov_every=cov_every, inverse_every=refresh_every)`` prices (K-FAC's
   statistics, the gradient rotated into the eigenbases and back, an
   ``eigh`` of every factor per refresh): ~2.60x an SGD step on the MNIST
   autoencoder at ``cov_every=5, refresh_every=10``, where its median step
-  was 2.93x SGD's (``benchmarks/results/autoencoder.txt``). The Shampoo
-  basis' statistics (the gradient's own products) are not priced there.
+  was 2.93x SGD's (``benchmarks/results/autoencoder.txt``). Given
+  ``cov_every=None`` or ``refresh_every=None`` it plans them as
+  ``kfl.kfac`` does (``kfl.describe(..., optimizer="eigen_adam")`` prints
+  the plan): the rotations are paid every step, like ``kfl.kfac``'s
+  preconditioning, and the default ``budget`` is that floor plus 0.3 SGD
+  steps for the statistics and the decompositions. The defaults
+  (statistics every step, bases every 10) are not planned. The Shampoo
+  basis' statistics (the gradient's own products) are not priced, so
+  ``basis="shampoo"`` takes its intervals as given.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (``(loss, aux)`` with
@@ -214,7 +220,8 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     refresh: ``"eigh"`` (exact) or ``"power"`` (one warm-started power
       step and a QR from the previous basis).
     refresh_every: the bases are recomputed at the counts that are
-      multiples of it (and a layer's first basis at its first statistics).
+      multiples of it (and a layer's first basis at its first statistics);
+      None: planned within ``budget`` (``basis="kfac"``).
     nu_rebase: what happens to the second moment at a refresh:
       ``"keep"`` (SOAP's; it stays with its column) or ``"project"`` (the
       diagonal of its matrix in the new basis); the first moment is always
@@ -224,7 +231,11 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
     cov_decay: ``kfl.CurvatureOptions.cov_decay``.
     cov_every: ``kfl.CurvatureOptions.cov_every``; here it also spares
       ``"shampoo"``'s statistics, and with ``"kfac"`` the sampled pass and
-      the factors' products are paid once in ``cov_every`` updates.
+      the factors' products are paid once in ``cov_every`` updates; None:
+      planned within ``budget`` (``basis="kfac"``).
+    budget: for an interval given as None, the planned mean step in SGD
+      steps of the model's FLOPs; None: the rotations' floor plus 0.3
+      (``kfl.describe(..., optimizer="eigen_adam")`` prints both).
     stats_fraction: ``kfl.CurvatureOptions.stats_fraction``.
     blocks: ``kfl.CurvatureOptions.blocks``; a layer whose block is not
       Kronecker gets plain Adam.
@@ -260,9 +271,11 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
                      refresh=refresh, refresh_every=refresh_every,
                      nu_rebase=nu_rebase)
   adam.check()
-  if cov_every is None:  # kfl.kfac plans it; eigen_adam keeps its own.
-    raise ValueError("eigen_adam: cov_every must be a positive int (it is "
-                     "not planned here), got None")
+  if basis == "shampoo" and (cov_every is None or refresh_every is None):
+    raise ValueError("eigen_adam(basis='shampoo'): cov_every and "
+                     "refresh_every must be positive ints (the Shampoo "
+                     "basis' statistics are not priced, so not planned), "
+                     "got None")
   shared = O.CurvatureOptions(
       estimation=estimation, num_samples=num_samples, cov_decay=cov_decay,
       cov_every=cov_every, stats_fraction=stats_fraction, blocks=blocks,
@@ -273,8 +286,10 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
   # blocks "eigh" caches, where the bases are kept. Its update is not used.
   layers = transform.build(
       loss_fn, example_batch, shared,
-      O.PreconditionerOptions(damping_mode="exact"), where="eigen_adam").layers
-  cfg = _EigenAdam(adam, shared, layers, example_batch)
+      O.PreconditionerOptions(damping_mode="exact", budget=budget),
+      where="eigen_adam").layers  # (Its options checked there, budget too.)
+  cfg = _EigenAdam(adam, shared, layers, example_batch, _plan_of(
+      layers, example_batch, shared, refresh_every, budget))
   return optax.GradientTransformationExtraArgs(
       functools.partial(_init, cfg), functools.partial(_update, cfg))
 
@@ -288,7 +303,7 @@ class AdamOptions(NamedTuple):
   eps_root: float
   basis: str
   refresh: str
-  refresh_every: int
+  refresh_every: int | None  # None: planned (_planned)
   nu_rebase: str
 
   def check(self) -> None:
@@ -297,8 +312,9 @@ class AdamOptions(NamedTuple):
     _check("refresh", self.refresh, REFRESHES)
     _check("nu_rebase", self.nu_rebase, NU_REBASES)
     value = self.refresh_every
-    if not (isinstance(value, int) and not isinstance(value, bool)
-            and value >= 1):
+    if value is not None and not (isinstance(value, int)
+                                  and not isinstance(value, bool)
+                                  and value >= 1):
       raise ValueError(f"eigen_adam: refresh_every must be a positive int, "
                        f"got {value!r}")
 
@@ -310,6 +326,36 @@ class _EigenAdam(NamedTuple):
   curvature: O.CurvatureOptions
   layers: Callable  # kfl.kfac's detection: (params, batch=None) -> tagged.
   example_batch: Any  # The stored batch slot's shapes (_pending.empty).
+  plan: Callable  # params -> estimators.Plan (_plan_of)
+
+
+def _plan_of(layers, example_batch, curvature, refresh_every, budget):
+  """``plan(params)``: ``estimators.plan_for`` eigen_adam's step (exact
+  damping's pricing: K-FAC's statistics, the rotations every step, an
+  ``eigh`` per refresh) at the example batch, once per detection."""
+  cache: dict = {}
+
+  def plan(params):
+    tagged = layers(params)
+    if tagged not in cache:
+      cache[tagged] = estimators.plan_for(
+          tagged, example_batch, budget=budget,
+          cov_every=curvature.cov_every, inverse_every=refresh_every,
+          stats_fraction=curvature.stats_fraction,
+          estimation=curvature.estimation, damping_mode="exact")
+    return cache[tagged]
+  return plan
+
+
+def _planned(cfg: _EigenAdam, params) -> _EigenAdam:
+  """``cfg`` with ``cov_every`` and ``refresh_every`` as planned for
+  ``params`` (those given kept)."""
+  c, a = cfg.curvature, cfg.adam
+  if c.cov_every is not None and a.refresh_every is not None:
+    return cfg
+  chosen = cfg.plan(params)
+  return cfg._replace(curvature=c._replace(cov_every=chosen.cov_every),
+                      adam=a._replace(refresh_every=chosen.inverse_every))
 
 
 def _init(cfg: _EigenAdam, params) -> EigenAdamState:
@@ -365,6 +411,7 @@ def _update(cfg: _EigenAdam, updates, state, params=None, *, batch=None,
 def _given(cfg: _EigenAdam, updates, state, params, *, batch, stats, loss):
   """``update`` on the unwrapped gradients and params, with the batch or
   statistics given or stored (``_pending.stored``)."""
+  cfg = _planned(cfg, params)
   stats, run = estimators.split_run(estimators.device_mean(stats))
   if loss is None and run is not None:
     loss = run["loss"]
