@@ -313,13 +313,16 @@ def per_example_and_reference(tl, ref_loss, params, batch):
   return both(params, batch)
 
 
-def count_primitives(jaxpr, names):
+def count_primitives(jaxpr, names, skip=()):
   """How many equations of each primitive in ``names`` ``jaxpr`` holds, the
-  jaxprs inside it (cond branches, scan bodies, pjit calls) included."""
+  jaxprs inside it (cond branches, scan bodies, pjit calls) included but
+  for the equations of the primitives in ``skip`` and what they hold."""
   counts = dict.fromkeys(names, 0)
 
   def walk(j):
     for eqn in j.eqns:
+      if eqn.primitive.name in skip:
+        continue
       if eqn.primitive.name in counts:
         counts[eqn.primitive.name] += 1
       for value in eqn.params.values():

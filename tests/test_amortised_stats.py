@@ -93,22 +93,7 @@ def test_with_stats_flag_is_checked():
 def outside_conds(jaxpr):
   """The WORK equations of ``jaxpr`` and the jaxprs inside it, cond
   branches left out."""
-  counts = dict.fromkeys(WORK, 0)
-
-  def walk(j):
-    for eqn in j.eqns:
-      if eqn.primitive.name == "cond":
-        continue
-      if eqn.primitive.name in counts:
-        counts[eqn.primitive.name] += 1
-      for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-          if hasattr(sub, "eqns"):
-            walk(sub)
-          elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-            walk(sub.jaxpr)
-  walk(jaxpr)
-  return counts
+  return count_primitives(jaxpr, WORK, skip=("cond",))
 
 
 @pytest.mark.parametrize("stats_fraction", [1.0, 0.25])

@@ -240,21 +240,28 @@ def test_optimizer_plans_when_asked_and_follows_its_plan():
   by_default = kfl.kfac_optimizer(_mlp_loss, batch)
   planned = kfl.kfac_optimizer(_mlp_loss, batch, cov_every=None,
                                inverse_every=None)
-  grads = jax.grad(_mlp_loss)(params, batch)
   for opt, want_k, want_t in ((by_default, 1, 10), (planned, k, t)):
-    update = jax.jit(lambda s, opt=opt: opt.update(grads, s, params,
-                                                   batch=batch)[1])
-    state = opt.init(params)
-    due, refreshed = [], []
-    steps = max(2 * want_k, want_t) + 1
-    for _ in range(steps):
-      due.append(bool(kfl.stats_due(state)))
-      state = update(state)
-      refreshed.append(int(state.kfac.blocks["w1"].a.cache.step))
+    due, refreshed = _run_intervals(opt, params, batch, want_k, want_t,
+                                    lambda s: s.kfac.blocks)
     young = lambda i: 0 < i < want_k and i & (i - 1) == 0
     assert due == [i % want_k == 0 or young(i)
-                   for i in range(steps)], (want_k, due)
+                   for i in range(len(due))], (want_k, due)
     assert refreshed[want_t] == want_t and refreshed[want_t - 1] < want_t
+
+
+def _run_intervals(tx, params, batch, want_k, want_t, blocks_of):
+  """``(due, refreshed)`` over ``max(2K, T) + 1`` updates of ``tx`` on
+  one batch: ``kfl.stats_due`` before each, and after each the step of
+  layer ``w1``'s last refresh (``blocks_of(state)``: its block states)."""
+  grads = jax.grad(_mlp_loss)(params, batch)
+  update = jax.jit(lambda s: tx.update(grads, s, params, batch=batch)[1])
+  state = tx.init(params)
+  due, refreshed = [], []
+  for _ in range(max(2 * want_k, want_t) + 1):
+    due.append(bool(kfl.stats_due(state)))
+    state = update(state)
+    refreshed.append(int(blocks_of(state)["w1"].a.cache.step))
+  return due, refreshed
 
 
 def _eigen_adam_parts(m, layers):
@@ -288,21 +295,13 @@ def test_eigen_adam_plans_when_asked_and_follows_its_plan():
   plan = kfl.describe(_mlp_loss, params, batch, optimizer="eigen_adam").plan
   k, t = plan.cov_every, plan.inverse_every
   assert k > 1, plan.line  # Else the test below tests nothing.
-  grads = jax.grad(_mlp_loss)(params, batch)
   for tx, want_k, want_t in (
       (kfl.eigen_adam(_mlp_loss, batch), 1, 10),
       (kfl.eigen_adam(_mlp_loss, batch, cov_every=None, refresh_every=None),
        k, t)):
-    update = jax.jit(lambda s, tx=tx: tx.update(grads, s, params,
-                                                batch=batch)[1])
-    state = tx.init(params)
-    due, refreshed = [], []
-    steps = max(2 * want_k, want_t) + 1
-    for _ in range(steps):
-      due.append(bool(kfl.stats_due(state)))
-      state = update(state)
-      refreshed.append(int(state.blocks["w1"].a.cache.step))
-    assert due == [i % want_k == 0 for i in range(steps)], (want_k, due)
+    due, refreshed = _run_intervals(tx, params, batch, want_k, want_t,
+                                    lambda s: s.blocks)
+    assert due == [i % want_k == 0 for i in range(len(due))], (want_k, due)
     assert refreshed[want_t] == want_t and refreshed[want_t - 1] < want_t
 
 
