@@ -270,3 +270,28 @@ def test_kfac_optimizer_takes_one_pass_statistics():
     for a, b in zip(jax.tree.leaves(same(p1, s1)),
                     jax.tree.leaves(same(p2, s2))):
       np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_a_flag_known_outside_jit_gives_plain_statistics():
+  """Outside ``jit`` ``kfl.stats_due(state)`` is a concrete array: the
+  estimate takes its value (plain statistics, or zeros), not a deferred
+  computation, so a jitted update given estimates made step by step
+  compiles once."""
+  params, batch = init_params(), make_batch()
+  tx = kfl.kfac(loss_fn, batch, cov_every=2)
+  state = tx.init(params)
+  est_fn = kfl.value_grad_and_stats(loss_fn, params, batch)
+  traces = []
+
+  @jax.jit
+  def update(grads, state, stats):
+    traces.append(1)  # Once per trace (compile).
+    return tx.update(grads, state, params, stats=stats)[1]
+  for i in range(4):
+    est = est_fn(params, batch, jax.random.PRNGKey(i),
+                 with_stats=kfl.stats_due(state))
+    assert not kfl.estimators.is_deferred(est.stats)
+    assert any(np.any(np.asarray(x)) for x in jax.tree.leaves(
+        block_stats(est.stats))) == bool(i % 2 == 0 or i == 1)
+    state = update(est.grads, state, est.stats)
+  assert len(traces) == 1

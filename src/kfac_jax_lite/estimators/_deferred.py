@@ -30,7 +30,11 @@ statistics' own pass in the update's branch; on the conv net 1.40x against
 1.30x, on the char LM 1.27x against 1.17x (2026-11-29, 2-core CPU; the
 extra forward pass on a statistics step costs less than the quiet steps
 save). Pytrees throughout (``jax.tree_util.Partial``): a ``Deferred``
-passes through ``jit``, ``lax.cond`` and ``kfl.with_stats``' slot.
+passes through ``jit``, ``lax.cond`` and ``kfl.with_stats``' slot; an
+estimate jitted apart from its update returns what the deferred
+computation holds (the batch, the forward pass's residuals) as outputs,
+so jit the step whole. Outside ``jit`` the flag is concrete and the
+estimate follows its value instead (``value_grad_and_stats``).
 """
 from __future__ import annotations
 

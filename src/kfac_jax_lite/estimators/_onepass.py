@@ -146,7 +146,8 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
     state, ``"ekfac"``), with ``fn.tagged``. ``with_stats`` says whether to
     compute the statistics at all (amortisation, module doc): ``True`` (the
     default) always; ``False`` never (the plain ``jax.value_and_grad``, with
-    zero ``stats`` and ``weights`` of the same shapes); a traced boolean,
+    zero ``stats`` and ``weights`` of the same shapes); a concrete boolean
+    array (outside ``jit``) as its value; a traced boolean,
     ``kfl.stats_due(state)`` of the state the estimate's update gets: the
     statistics are deferred to that update (module doc), which computes
     them when its own flag says so (the value passed is not read): ``stats``
@@ -246,6 +247,8 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
     if flag.shape != () or flag.dtype != jnp.bool_:
       raise ValueError("with_stats must be a bool or a scalar boolean array "
                        f"(kfl.stats_due(state)), got {flag.dtype}{list(flag.shape)}")
+    if not isinstance(flag, jax.core.Tracer):  # Known now (outside jit).
+      return run(params, batch, key, states, bool(flag))
     if not on_mesh:
       return deferred(params, batch, key, states)
     return run(params, batch, key, states, flag)
