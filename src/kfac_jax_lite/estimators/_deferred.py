@@ -42,6 +42,7 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.tree_util import Partial
 
 from kfac_jax_lite.estimators._estimate import (
@@ -55,11 +56,11 @@ block entries of their own."""
 
 
 class Deferred(NamedTuple):
-  """Two ways to compute an estimate's statistics (module docstring); each
-  ``fn(states) -> {block name: statistics}`` (no run entry; the
-  estimate's parameters are in it;
-  ``states``: ``{layer name: block state}`` for the blocks whose
-  statistics depend on it, or None)."""
+  """Two ways to compute an estimate's statistics (module docstring), each
+  ``fn(states) -> {block name: statistics}`` without the run entry; the
+  estimate's parameters, batch and key are held in it, and ``states`` is
+  ``{layer name: block state}`` for the blocks whose statistics depend on
+  their state, or None."""
   shared: Any  # Partial: from the step's own forward pass
   own: Any  # Partial: from a forward pass of their own
 
@@ -140,5 +141,5 @@ def materialise(stats, due, states=None):
   compute = lambda: resolve(stats, states, every_step=False)
   shapes = jax.eval_shape(compute)
   new = jax.lax.cond(due, compute, lambda: jax.tree.map(
-      lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes))
+      lambda s: jnp.zeros(s.shape, s.dtype), shapes))
   return {**new, RUN_ENTRY: stats[RUN_ENTRY]}
