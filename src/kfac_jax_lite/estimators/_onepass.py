@@ -247,8 +247,12 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
     if flag.shape != () or flag.dtype != jnp.bool_:
       raise ValueError("with_stats must be a bool or a scalar boolean array "
                        f"(kfl.stats_due(state)), got {flag.dtype}{list(flag.shape)}")
-    if not isinstance(flag, jax.core.Tracer):  # Known now (outside jit).
-      return run(params, batch, key, states, bool(flag))
+    try:  # Known now (outside jit): its value.
+      known = bool(flag)
+    except jax.errors.ConcretizationTypeError:
+      known = None  # Traced: decided when the step runs.
+    if known is not None:
+      return run(params, batch, key, states, known)
     if not on_mesh:
       return deferred(params, batch, key, states)
     return run(params, batch, key, states, flag)
