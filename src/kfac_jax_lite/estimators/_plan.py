@@ -204,10 +204,10 @@ def plan(flops, *, budget: float | None = DEFAULT_BUDGET,
     return Plan(k, t, None, price(k, t), price(1, 10), 1 + (q + p) / w, (),
                 model=model)
   floor = 1 + (q + p) / w
-  target = None
   if budget is None:  # Over the floor by construction: not raised.
     budget = target = floor + (DEFAULT_BUDGET - 1)
-  target = target or max(budget, floor + MIN_SHARE * (budget - 1 - q / w))
+  else:
+    target = max(budget, floor + MIN_SHARE * (budget - 1 - q / w))
   k, t = next((pair for pair in pairs if price(*pair) <= target),
               max(pairs, key=lambda kt: (kt[1], kt[0])))
   return Plan(k, t, budget, price(k, t), price(1, 10), floor, planned,

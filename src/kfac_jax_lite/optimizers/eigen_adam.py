@@ -133,6 +133,7 @@ from kfac_jax_lite.optimizers import _eigen_step as S
 from kfac_jax_lite.optimizers import _find
 from kfac_jax_lite.optimizers import _memory
 from kfac_jax_lite.optimizers import _pending
+from kfac_jax_lite.optimizers import _planning
 from kfac_jax_lite.optimizers import options as O
 from kfac_jax_lite.optimizers import transform
 
@@ -286,12 +287,15 @@ def eigen_adam(loss_fn: Callable, example_batch: chex.ArrayTree, *,
       seed=seed)
   # kfl.kfac's tagging and block choice; "exact" damping gives Kronecker
   # blocks "eigh" caches, where the bases are kept. Its update is not used.
-  layers = transform.build(
-      loss_fn, example_batch, shared,
-      O.PreconditionerOptions(damping_mode="exact", budget=budget),
-      where="eigen_adam").layers  # (Its options checked there, budget too.)
-  cfg = _EigenAdam(adam, shared, layers, example_batch, _plan_of(
-      layers, example_batch, shared, refresh_every, budget))
+  # Its plan is kfl.kfac's with exact damping's pricing (K-FAC's
+  # statistics, the rotations every step, an eigh per refresh), the bases'
+  # refresh_every in the place of inverse_every.
+  priced = O.PreconditionerOptions(damping_mode="exact", budget=budget,
+                                   inverse_every=refresh_every)
+  layers = transform.build(loss_fn, example_batch, shared, priced,
+                           where="eigen_adam").layers  # (Options checked.)
+  cfg = _EigenAdam(adam, shared, layers, example_batch,
+                   _planning.plan_of(layers, example_batch, shared, priced))
   return optax.GradientTransformationExtraArgs(
       functools.partial(_init, cfg), functools.partial(_update, cfg))
 
@@ -328,25 +332,7 @@ class _EigenAdam(NamedTuple):
   curvature: O.CurvatureOptions
   layers: Callable  # kfl.kfac's detection: (params, batch=None) -> tagged.
   example_batch: Any  # The stored batch slot's shapes (_pending.empty).
-  plan: Callable  # params -> estimators.Plan (_plan_of)
-
-
-def _plan_of(layers, example_batch, curvature, refresh_every, budget):
-  """``plan(params)``: ``estimators.plan_for`` eigen_adam's step (exact
-  damping's pricing: K-FAC's statistics, the rotations every step, an
-  ``eigh`` per refresh) at the example batch, once per detection."""
-  cache: dict = {}
-
-  def plan(params):
-    tagged = layers(params)
-    if tagged not in cache:
-      cache[tagged] = estimators.plan_for(
-          tagged, example_batch, budget=budget,
-          cov_every=curvature.cov_every, inverse_every=refresh_every,
-          stats_fraction=curvature.stats_fraction,
-          estimation=curvature.estimation, damping_mode="exact")
-    return cache[tagged]
-  return plan
+  plan: Callable  # params -> estimators.Plan (_planning.plan_of)
 
 
 def _planned(cfg: _EigenAdam, params) -> _EigenAdam:
