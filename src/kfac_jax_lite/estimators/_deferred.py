@@ -42,11 +42,11 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax.tree_util import Partial
 
 from kfac_jax_lite.estimators._estimate import (
-    RUN_ENTRY, Estimate, forward_pass, estimate, pass_statistics, run_entry)
+    RUN_ENTRY, Estimate, estimate, forward_pass, pass_statistics, run_entry,
+    when)
 from kfac_jax_lite.estimators._fraction import stats_slice
 
 DEFERRED_ENTRY = "~deferred"
@@ -138,8 +138,5 @@ def materialise(stats, due, states=None):
   devices, as it did before they were deferred). Others unchanged."""
   if not is_deferred(stats):
     return stats
-  compute = lambda: resolve(stats, states, every_step=False)
-  shapes = jax.eval_shape(compute)
-  new = jax.lax.cond(due, compute, lambda: jax.tree.map(
-      lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+  new = when(due, lambda: resolve(stats, states, every_step=False))
   return {**new, RUN_ENTRY: stats[RUN_ENTRY]}

@@ -325,6 +325,14 @@ def pass_statistics(tagged, fp: Pass, batch, key, estimation, num_samples,
                      num_samples, states)
 
 
+def when(flag, fn):
+  """``fn()`` under a ``lax.cond`` on the traced ``flag``; zeros of its
+  shapes where ``flag`` is False."""
+  shapes = jax.eval_shape(fn)
+  return jax.lax.cond(flag, fn, lambda: jax.tree.map(
+      lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+
 def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
              estimation="fisher", num_samples=1, states=None,
              with_stats=True) -> Estimate:
@@ -347,12 +355,8 @@ def estimate(tagged: tagging.TaggedLoss, params, batch, key, *,
   def statistics():
     return pass_statistics(tagged, fp, batch, key, estimation, num_samples,
                            states)
-  if with_stats is True:
-    stats, c_i = statistics()
-  else:
-    shapes = jax.eval_shape(statistics)
-    stats, c_i = jax.lax.cond(with_stats, statistics, lambda: jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+  stats, c_i = (statistics() if with_stats is True
+                else when(with_stats, statistics))
   stats = dict(stats)
   stats[RUN_ENTRY] = run_entry(tagged, fp)
   return Estimate(fp.loss, fp.aux, fp.grads, stats, c_i)

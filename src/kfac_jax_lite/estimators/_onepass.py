@@ -41,7 +41,8 @@ from kfac_jax_lite.estimators import _devices
 from kfac_jax_lite.estimators._checks import (
     check_estimation, check_example_axis, check_has_loss)
 from kfac_jax_lite.estimators._deferred import deferred_estimate
-from kfac_jax_lite.estimators._estimate import RUN_ENTRY, Estimate, estimate
+from kfac_jax_lite.estimators._estimate import (
+    RUN_ENTRY, Estimate, estimate, when)
 from kfac_jax_lite.estimators._fraction import (
     check_stats_fraction, stats_batch_size, stats_slice)
 
@@ -216,10 +217,7 @@ def value_grad_and_stats(loss_fn: Callable, params: chex.ArrayTree,
                       num_samples=num_samples, states=states,
                       with_stats=flag)
     loss, aux, grads = plain(params, batch)
-    shapes = jax.eval_shape(part, params, batch, key, states)
-    stats, weights = jax.lax.cond(
-        flag, lambda: part(params, batch, key, states),
-        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+    stats, weights = when(flag, lambda: part(params, batch, key, states))
     return Estimate(loss, aux, grads, _run_loss(stats, loss), weights)
 
   def deferred(params, batch, key, states):
